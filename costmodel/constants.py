@@ -1,0 +1,34 @@
+"""Named cost-model constants, each with its unit and where it comes from.
+
+Defaults are typical published figures; `plan profile` measures the ones that matter on the
+hardware at hand and the calibration file overrides them.
+"""
+
+# Achieved fraction of peak FLOP/s for large dense GEMMs / convolutions (cuBLAS/cuDNN on
+# A100/H100 typically reach 70-80% of datasheet peak at transformer sizes).
+MATMUL_EFFICIENCY = 0.7
+# Achieved fraction of datasheet memory bandwidth for streaming elementwise kernels (STREAM-like).
+MEMORY_EFFICIENCY = 0.8
+# Fixed cost per executed op on an accelerator: kernel launch + framework dispatch, seconds.
+GPU_OP_OVERHEAD_S = 8e-6
+# Same on CPU: eager PyTorch dispatch per op, seconds (measured order on x86 servers).
+CPU_OP_OVERHEAD_S = 4e-6
+# Backward of a memory-bound op reads its saved inputs and the incoming gradient and writes
+# the input gradient: about twice the forward traffic.
+BACKWARD_BYTES_FACTOR = 2.0
+
+# Training state per parameter for AdamW, bytes per parameter *byte* of fp32 weights:
+# weight (1x) + gradient (1x) + exp_avg, exp_avg_sq (2x).
+ADAMW_STATE_FACTOR = 4.0
+# Mixed precision keeps an extra low-precision copy of the weights for compute (0.5x of fp32).
+MIXED_PRECISION_WEIGHT_COPY_FACTOR = 0.5
+# Memory the framework itself holds per process: CUDA context + allocator slack on GPUs,
+# the torch runtime on CPU. Bytes.
+GPU_FRAMEWORK_OVERHEAD_BYTES = 1 << 30
+CPU_FRAMEWORK_OVERHEAD_BYTES = 400 << 20
+# Fraction of device memory a plan may use by default (the rest is margin for fragmentation).
+DEFAULT_MEMORY_MARGIN = 0.1
+# AdamW step reads/writes weight, grad, two moments: bytes moved per fp32 weight byte.
+OPTIMIZER_BYTES_FACTOR = 7.0
+
+BYTES_PER_ELEMENT = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}

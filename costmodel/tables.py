@@ -1,0 +1,86 @@
+"""The costed problem: every number the search needs, as plain tuples of floats.
+
+Rows are device classes (one per node group of the spec), columns are blocks. Times are per
+sample (compute scales with the micro-batch) plus a fixed per-micro-batch overhead; bytes are
+per block. The search never sees torch objects or the spec, only these tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel import compute, memory
+from costmodel import constants as C
+from passes.blocks import Block
+from planner.spec import ClusterSpec
+
+
+@dataclass(frozen=True)
+class ClassTable:
+    """Costs of every block on one device class (the devices of one node group)."""
+
+    name: str
+    device_type: str
+    num_devices: int
+    per_node: int
+    num_nodes: int
+    precision: str
+    capacity_bytes: float            # usable memory per device (margin and framework removed)
+    fwd_s: tuple[float, ...]         # per block, per sample
+    bwd_s: tuple[float, ...]         # per block, per sample
+    overhead_s: tuple[float, ...]    # per block, per micro-batch (fwd + bwd launches)
+    state_bytes: tuple[float, ...]   # per block: weights, grads, optimizer state
+    act_bytes: tuple[float, ...]     # per block, per sample: activations kept for backward
+    boundary_bytes: tuple[float, ...]  # per block, per sample: what a cut after it sends
+    optimizer_s: tuple[float, ...]   # per block: optimizer step time
+    intra_bandwidth_bytes_s: float
+    intra_latency_s: float
+    price_per_hour: float | None = None
+
+
+@dataclass(frozen=True)
+class CostTables:
+    global_batch: int
+    num_blocks: int
+    classes: tuple[ClassTable, ...]
+    grad_bytes: tuple[float, ...]    # per block: gradient bytes synchronised across replicas
+    inter_bandwidth_bytes_s: float
+    inter_latency_s: float
+    block_signatures: tuple[str, ...] = ()
+
+
+def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, trace_batch: int,
+                 precision_policy: str = "auto", memory_margin: float = C.DEFAULT_MEMORY_MARGIN,
+                 ) -> CostTables:
+    """Cost every block on every node group's device type.
+
+    Block op counts come from a trace at `trace_batch` samples; compute and activations are
+    divided by it to give per-sample figures.
+    """
+    classes = []
+    for group in spec.nodes:
+        dev = group.device
+        prec = compute.best_precision(dev, precision_policy)
+        byte_scale = C.BYTES_PER_ELEMENT[prec] / 4.0
+        fwd = tuple(compute.ops_time_s(b.ops, dev, prec, backward=False) / trace_batch for b in blocks)
+        bwd = tuple(compute.ops_time_s(b.ops, dev, prec, backward=True) / trace_batch for b in blocks)
+        over = tuple(compute.ops_overhead_s(b.ops, dev) for b in blocks)
+        state = tuple(memory.state_bytes(b.param_bytes, prec) for b in blocks)
+        act = tuple(b.activation_bytes * byte_scale / trace_batch for b in blocks)
+        boundary = tuple(b.boundary_bytes * byte_scale / trace_batch for b in blocks)
+        opt = tuple(b.param_bytes * C.OPTIMIZER_BYTES_FACTOR
+                    / (dev.memory_bandwidth_bytes_s * C.MEMORY_EFFICIENCY) * dev.slowdown for b in blocks)
+        capacity = memory.usable_bytes(dev, memory_margin) - memory.framework_bytes(dev)
+        classes.append(ClassTable(
+            name=group.name, device_type=dev.name, num_devices=group.count * group.per_node,
+            per_node=group.per_node, num_nodes=group.count, precision=prec, capacity_bytes=capacity,
+            fwd_s=fwd, bwd_s=bwd, overhead_s=over, state_bytes=state, act_bytes=act,
+            boundary_bytes=boundary, optimizer_s=opt,
+            intra_bandwidth_bytes_s=group.intra_link.bandwidth_bytes_s,
+            intra_latency_s=group.intra_link.latency_s, price_per_hour=dev.price_per_hour))
+    return CostTables(
+        global_batch=global_batch, num_blocks=len(blocks), classes=tuple(classes),
+        grad_bytes=tuple(b.param_bytes for b in blocks),
+        inter_bandwidth_bytes_s=spec.inter_node.bandwidth_bytes_s,
+        inter_latency_s=spec.inter_node.latency_s,
+        block_signatures=tuple(b.signature for b in blocks))

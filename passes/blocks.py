@@ -1,0 +1,183 @@
+"""Blocks: coarsen the node sequence into partitionable blocks.
+
+A cut after node i is a candidate where the fewest activations are live (a residual stream, not
+the inside of an attention or a residual branch). Skip connections are simply live values that
+cross cuts: they count in the boundary bytes and travel to their consumer's stage. When there are
+more candidates than `max_blocks`, the cuts at the shallowest module boundaries are kept
+(between transformer layers rather than inside one). Identical blocks share a signature, so
+repeated layers can be tied by the search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from costmodel.ops import OpCount
+from passes.annotate import COST_KEY, PARAM_BYTES_KEY
+from passes.base import Pass, PassResult
+from planner.errors import PassError
+
+BLOCKS_KEY = "hetplan.blocks"
+BLOCK_INDEX_KEY = "hetplan.block"
+DEFAULT_MAX_BLOCKS = 96
+
+
+@dataclass(frozen=True)
+class Block:
+    """A contiguous run of compute nodes; the unit the search assigns to stages."""
+
+    index: int
+    first_node: str
+    last_node: str
+    label: str                       # the module path most of its nodes come from
+    ops: tuple[OpCount, ...]
+    params: tuple[str, ...]          # get_attr targets the block reads
+    param_sizes: tuple[float, ...]   # bytes of each of those parameters
+    boundary_bytes: float            # activations live after the block (what a cut here sends)
+    signature: str                   # equal for structurally identical blocks
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(self.param_sizes)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(o.fwd_flops for o in self.ops)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(o.bwd_flops for o in self.ops)
+
+    @property
+    def activation_bytes(self) -> float:
+        """Bytes kept for backward: outputs of non-view ops (an upper estimate)."""
+        return sum(o.out_bytes for o in self.ops if o.op_class != "view")
+
+
+def compute_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def _module_path(node: fx.Node) -> tuple[str, ...]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return tuple(str(v[0]) for v in stack.values())
+
+
+def _common_depth(a: fx.Node, b: fx.Node) -> int:
+    pa, pb = _module_path(a), _module_path(b)
+    depth = 0
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        depth += 1
+    return depth
+
+
+def live_after(nodes: list[fx.Node]) -> tuple[list[int], list[float]]:
+    """For each position i: how many activations (and their bytes) are live after node i."""
+    position = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    delta_count = [0] * (end + 1)
+    delta_bytes = [0.0] * (end + 1)
+    for n in nodes:
+        last = max((position.get(u, end) for u in n.users), default=position[n])
+        if last > position[n]:
+            nbytes = n.meta[COST_KEY].out_bytes if n.meta[COST_KEY].op_class != "view" else 0.0
+            nbytes = nbytes or _val_bytes(n)
+            delta_count[position[n]] += 1
+            delta_count[last] -= 1
+            delta_bytes[position[n]] += nbytes
+            delta_bytes[last] -= nbytes
+    counts, sizes, c, s = [], [], 0, 0.0
+    for i in range(end):
+        c += delta_count[i]
+        s += delta_bytes[i]
+        counts.append(c)
+        sizes.append(s)
+    return counts, sizes
+
+
+def _val_bytes(n: fx.Node) -> float:
+    from costmodel.ops import tensor_bytes
+
+    return tensor_bytes(n.meta.get("val"))
+
+
+def choose_cuts(nodes: list[fx.Node], counts: list[int], max_blocks: int) -> list[int]:
+    """Positions after which to cut: fewest live values, then shallowest module boundary."""
+    interior = range(len(nodes) - 1)
+    if not interior:
+        return []
+    floor = min(counts[i] for i in interior)
+    cuts: list[int] = []
+    for slack in range(3):
+        cuts = [i for i in interior if counts[i] <= floor + slack]
+        if len(cuts) >= min(8, len(nodes) - 1):
+            break
+    if len(cuts) < max_blocks:
+        return cuts
+    by_depth: dict[int, list[int]] = {}
+    for i in cuts:
+        by_depth.setdefault(_common_depth(nodes[i], nodes[i + 1]), []).append(i)
+    kept: list[int] = []
+    for depth in sorted(by_depth):
+        room = max_blocks - 1 - len(kept)
+        level = by_depth[depth]
+        if len(level) <= room:
+            kept.extend(level)
+        else:
+            step = len(level) / room if room else 0
+            kept.extend(level[int(k * step)] for k in range(room))
+            break
+    return sorted(kept)
+
+
+class Blocks(Pass):
+    """Coarsen compute nodes into blocks; writes gm.meta[BLOCKS_KEY] and node.meta[BLOCK_INDEX_KEY]."""
+
+    name = "blocks"
+
+    def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+        self.max_blocks = max_blocks
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        if any(COST_KEY not in n.meta for n in compute_nodes(gm.graph)):
+            raise PassError("blocks needs the annotate pass first", fix="run Annotate before Blocks")
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        nodes = compute_nodes(gm.graph)
+        if not nodes:
+            raise PassError("the traced model has no operations", fix="check that forward() computes something")
+        counts, sizes = live_after(nodes)
+        cuts = choose_cuts(nodes, counts, self.max_blocks)
+        bounds = [-1, *cuts, len(nodes) - 1]
+        blocks: list[Block] = []
+        for b in range(len(bounds) - 1):
+            members = nodes[bounds[b] + 1: bounds[b + 1] + 1]
+            for n in members:
+                n.meta[BLOCK_INDEX_KEY] = b
+            params = sorted({a.target for n in members for a in n.all_input_nodes if a.op == "get_attr"})
+            attr_nodes = {a.target: a for n in members for a in n.all_input_nodes if a.op == "get_attr"}
+            param_sizes = tuple(attr_nodes[p].meta[PARAM_BYTES_KEY] for p in params)
+            paths = [_module_path(n)[-1] if _module_path(n) else "" for n in members]
+            label = max(set(paths), key=paths.count)
+            last = bounds[b + 1]
+            blocks.append(Block(
+                index=b, first_node=members[0].name, last_node=members[-1].name, label=label,
+                ops=tuple(n.meta[COST_KEY] for n in members), params=tuple(params),
+                param_sizes=param_sizes, boundary_bytes=sizes[last] if last < len(nodes) - 1 else 0.0,
+                signature=_signature(members)))
+        gm.meta[BLOCKS_KEY] = blocks
+        return PassResult(gm, True)
+
+
+def _signature(members: list[fx.Node]) -> str:
+    h = hashlib.sha1()
+    for n in members:
+        val = n.meta.get("val")
+        shape = tuple(getattr(val, "shape", ()))
+        h.update(f"{n.target}|{shape}|{getattr(val, 'dtype', '')};".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,55 @@
+"""Verify a plan before anything is emitted: coverage, ranks, shares, memory, schedules, groups."""
+
+from __future__ import annotations
+
+from planner import schedule as sched
+from planner.errors import PassError, PlanningError
+from planner.plan import Plan
+from planner.spec import ClusterSpec
+
+
+def verify_plan(plan: Plan, spec: ClusterSpec | None = None) -> None:
+    """Raise PassError (or PlanningError for memory) when the plan breaks an invariant."""
+    nblocks = len(plan.blocks)
+    ranks = sorted(st.rank for r in plan.replicas for st in r.stages)
+    if ranks != list(range(plan.world_size)):
+        raise PassError(f"ranks {ranks} are not 0..{plan.world_size - 1}", fix="report this plan")
+    devices = [st.device for r in plan.replicas for st in r.stages]
+    if len(set(devices)) != len(devices):
+        raise PassError("a device serves two stages", fix="report this plan")
+    if sum(r.batch_share for r in plan.replicas) != plan.global_batch:
+        raise PassError(f"batch shares {[r.batch_share for r in plan.replicas]} do not sum to "
+                        f"{plan.global_batch}", fix="report this plan")
+    holders: dict[str, set[int]] = {}
+    for r in plan.replicas:
+        if sum(r.micro_batch_sizes) != r.batch_share or min(r.micro_batch_sizes) < 1:
+            raise PassError(f"replica {r.index}: micro-batches {r.micro_batch_sizes} do not cover its share",
+                            fix="report this plan")
+        expected = 0
+        for st in r.stages:
+            if st.first_block != expected or st.last_block < st.first_block:
+                raise PassError(f"replica {r.index} stage {st.index} covers blocks "
+                                f"{st.first_block}..{st.last_block}, expected to start at {expected}")
+            expected = st.last_block + 1
+            if plan.blocks[st.last_block].last_node != st.last_node:
+                raise PassError(f"stage {st.index} of replica {r.index} ends at {st.last_node}, "
+                                f"block {st.last_block} ends at {plan.blocks[st.last_block].last_node}")
+            for p in st.params:
+                holders.setdefault(p, set()).add(st.rank)
+        if expected != nblocks:
+            raise PassError(f"replica {r.index} covers {expected} of {nblocks} blocks", fix="report this plan")
+        sched.check(sched.make(r.schedule, len(r.stages), len(r.micro_batch_sizes)), len(r.micro_batch_sizes))
+    grouped: dict[str, set[int]] = {}
+    for g in plan.grad_groups:
+        for p in g.params:
+            if p in grouped:
+                raise PassError(f"parameter {p} is in two gradient groups", fix="report this plan")
+            grouped[p] = set(g.ranks)
+    for p, hs in holders.items():
+        if len(hs) > 1 and grouped.get(p) != hs:
+            raise PassError(f"parameter {p} is held by ranks {sorted(hs)} but synchronised over "
+                            f"{sorted(grouped.get(p, set()))}", fix="report this plan")
+    for rank, (mem, cap) in enumerate(zip(plan.estimates.memory_bytes, plan.estimates.capacity_bytes)):
+        if mem > cap:
+            raise PlanningError(f"rank {rank} ({plan.devices[rank]}) needs {mem / 2**30:.2f} GiB of "
+                                f"{cap / 2**30:.2f} GiB", fix="use more pipeline stages or devices")

@@ -1,0 +1,115 @@
+"""`plan()`: the whole flow from a model file and a cluster spec to a Plan.
+
+frontend (trace on meta) -> annotate -> blocks -> cost tables -> search -> assemble -> verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from costmodel.tables import CostTables, build_tables
+from passes.annotate import Annotate, MetaShapes
+from passes.base import PassManager
+from passes.blocks import BLOCKS_KEY, Block, Blocks
+from passes.verify import verify_plan
+from planner import frontend
+from planner.errors import HetplanError, PlanningError
+from planner.plan import Plan, PlanInputs
+from planner.search import strategies
+from planner.spec import ClusterSpec, load_cluster
+
+DEFAULT_TRACE_BATCH = 2
+
+
+@dataclass
+class PlanOptions:
+    """Everything the user can set; recorded in the plan's inputs."""
+
+    global_batch: int = 64
+    strategy: str = "ilp"
+    precision: str = "auto"            # fp32 | auto | bf16 | fp16
+    stages: int | None = None          # force the pipeline depth of every replica
+    memory_margin: float = 0.1
+    schedule: str = "1f1b"
+    time_limit_s: float = 30.0
+    max_blocks: int = 96
+    names: dict[str, str] = field(default_factory=dict)
+
+    def as_pairs(self) -> tuple[tuple[str, str], ...]:
+        items = {k: v for k, v in vars(self).items() if k != "names"}
+        items.update({f"name.{k}": v for k, v in self.names.items()})
+        return tuple(sorted((k, str(v)) for k, v in items.items()))
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    graph: fx.GraphModule
+    blocks: list[Block]
+    tables: CostTables
+    timings_s: dict[str, float]
+    model_file: frontend.ModelFile
+    cluster: ClusterSpec
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def trace_model_file(model_file: frontend.ModelFile, trace_batch: int = DEFAULT_TRACE_BATCH,
+                     max_blocks: int = 96) -> tuple[fx.GraphModule, list[Block], tuple[Any, ...]]:
+    """Trace on meta and run the analysis passes; returns the graph, its blocks and the meta inputs."""
+    module = frontend.build_on_meta(model_file)
+    inputs, _ = frontend.example_batch(model_file, trace_batch)
+    meta_inputs = frontend.to_device(inputs, "meta")
+    gm = frontend.trace(module, meta_inputs, file=str(model_file.path))
+    PassManager([MetaShapes(meta_inputs), Annotate(), Blocks(max_blocks)]).run(gm)
+    return gm, gm.meta[BLOCKS_KEY], meta_inputs
+
+
+def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOptions | None = None) -> PlanResult:
+    """Plan training of the model in file `model` on `cluster`. Raises HetplanError subclasses."""
+    options = options or PlanOptions()
+    if options.global_batch < 1:
+        raise PlanningError(f"global batch {options.global_batch} must be at least 1", field="--global-batch",
+                            fix="pass a positive --global-batch")
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    model_file = frontend.load_model_file(model, options.names)
+    timings["load_s"] = time.perf_counter() - start
+
+    t0 = time.perf_counter()
+    gm, blocks, _ = trace_model_file(model_file, DEFAULT_TRACE_BATCH, options.max_blocks)
+    timings["trace_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=DEFAULT_TRACE_BATCH,
+                          precision_policy=options.precision, memory_margin=options.memory_margin)
+    timings["cost_s"] = time.perf_counter() - t0
+
+    cluster_path = Path(spec.source_path) if spec.source_path else None
+    inputs = PlanInputs(
+        model_path=str(Path(model).resolve()), model_digest=model_file.digest,
+        cluster_path=str(cluster_path.resolve()) if cluster_path else "",
+        cluster_digest=_digest(cluster_path) if cluster_path and cluster_path.is_file() else "",
+        cluster_name=spec.name, options=options.as_pairs(), trace_batch=DEFAULT_TRACE_BATCH,
+        model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"))
+
+    t0 = time.perf_counter()
+    result = strategies.run(options.strategy, tables=tables, blocks=blocks, spec=spec, inputs=inputs,
+                            options=options)
+    timings["search_s"] = time.perf_counter() - t0
+    verify_plan(result, spec)
+    timings["total_s"] = time.perf_counter() - start
+    return PlanResult(result, gm, blocks, tables, timings, model_file, spec)
+
+
+__all__ = ["plan", "PlanOptions", "PlanResult", "HetplanError", "torch"]

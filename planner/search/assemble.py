@@ -1,0 +1,177 @@
+"""Turn the solver's numbers into a Plan: devices and ranks, trimmed shares, micro-batches,
+stage records, point-to-point edges, gradient groups and estimates."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from costmodel import memory
+from costmodel.network import ring_allreduce_s
+from costmodel.tables import CostTables
+from passes.blocks import Block
+from planner.errors import PlanningError
+from planner.plan import (
+    BlockInfo,
+    Estimates,
+    GradGroup,
+    P2PEdge,
+    Plan,
+    PlanInputs,
+    ReplicaPlan,
+    SolverFacts,
+    StagePlan,
+)
+from planner.search.ilp import Choice, Config, Solution
+from planner.spec import ClusterSpec, Device
+
+
+@dataclass
+class _Replica:
+    config: Config
+    share: int
+    devices: list[Device]
+
+    def time_s(self, share: int | None = None) -> float:
+        share = self.share if share is None else share
+        micro = math.ceil(share / self.config.micro_batch)
+        return (micro + self.config.num_stages - 1) * self.config.split.max_stage_s + self.config.optimizer_s
+
+
+def _allocate(spec: ClusterSpec, tables: CostTables, choices: tuple[Choice, ...]) -> list[_Replica]:
+    """Give each replica devices: inside one node when the pipeline fits in one, else whole nodes."""
+    replicas: list[_Replica] = []
+    for ci, table in enumerate(tables.classes):
+        devices = [d for d in spec.devices() if d.group == table.name]
+        free: dict[int, list[Device]] = {}
+        for d in devices:
+            free.setdefault(d.node, []).append(d)
+        mine = sorted((c for c in choices if c.config.cls == ci), key=lambda c: -c.config.num_stages)
+        for choice in mine:
+            S = choice.config.num_stages
+            for _ in range(choice.replicas):
+                if S <= table.per_node:
+                    node = next((n for n, ds in free.items() if len(ds) >= S), None)
+                    if node is None:
+                        node = max(free, key=lambda n: len(free[n]))
+                    taken = free[node][:S]
+                    free[node] = free[node][S:]
+                    if len(taken) < S:  # packing spilled over: take the rest from other nodes
+                        for n in sorted(free):
+                            while len(taken) < S and free[n]:
+                                taken.append(free[n].pop(0))
+                else:
+                    taken = []
+                    for n in sorted(free):
+                        if len(taken) < S and len(free[n]) == table.per_node:
+                            taken.extend(free[n])
+                            free[n] = []
+                    taken = taken[:S]
+                replicas.append(_Replica(choice.config, choice.share, taken))
+    return replicas
+
+
+def _trim(replicas: list[_Replica], global_batch: int) -> None:
+    """The solver may serve a few samples more than B; take them from the slowest replicas."""
+    excess = sum(r.share for r in replicas) - global_batch
+    while excess > 0:
+        candidates = [r for r in replicas if r.share > 1]
+        slowest = max(candidates, key=lambda r: (r.time_s(), r.share))
+        slowest.share -= 1
+        excess -= 1
+
+
+def _micro_sizes(share: int, micro: int) -> tuple[int, ...]:
+    full, rest = divmod(share, micro)
+    return tuple([micro] * full + ([rest] if rest else []))
+
+
+def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
+             inputs: PlanInputs, strategy: str, schedule: str = "1f1b") -> Plan:
+    replicas = _allocate(spec, tables, solution.choices)
+    if any(len(r.devices) < r.config.num_stages for r in replicas):
+        raise PlanningError("could not place the chosen pipelines on the nodes",
+                            file=spec.source_path, fix="report this with the cluster spec")
+    _trim(replicas, tables.global_batch)
+    replicas.sort(key=lambda r: r.devices[0].index)
+
+    rank = 0
+    replica_plans: list[ReplicaPlan] = []
+    holders: dict[str, list[int]] = {}
+    p2p: list[P2PEdge] = []
+    memory_by_rank: list[float] = []
+    capacity_by_rank: list[float] = []
+    busy_by_rank: list[float] = []
+    device_labels: list[str] = []
+    for ri, rep in enumerate(replicas):
+        cfg, table = rep.config, tables.classes[rep.config.cls]
+        S = cfg.num_stages
+        micro_sizes = _micro_sizes(rep.share, cfg.micro_batch)
+        stages = []
+        for s in range(S):
+            lo, hi = cfg.split.bounds[s], cfg.split.bounds[s + 1]
+            params: list[str] = []
+            for b in range(lo, hi):
+                params.extend(p for p in blocks[b].params if p not in params)
+            for p in params:
+                holders.setdefault(p, []).append(rank)
+            fwd = sum(table.fwd_s[b] for b in range(lo, hi))
+            bwd = sum(table.bwd_s[b] for b in range(lo, hi))
+            over = sum(table.overhead_s[b] for b in range(lo, hi))
+            in_flight = memory.in_flight_micro_batches(schedule, s, S, len(micro_sizes))
+            mem = sum(table.state_bytes[b] + table.act_bytes[b] * cfg.micro_batch * in_flight
+                      for b in range(lo, hi)) + memory.framework_bytes(rep.devices[s].type)
+            dev = rep.devices[s]
+            stages.append(StagePlan(
+                index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
+                rank=rank, device=dev.index, device_label=dev.label, device_type=dev.type.name,
+                precision=table.precision, recompute=False, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
+                overhead_s=over, memory_bytes=mem, params=tuple(params)))
+            memory_by_rank.append(mem)
+            capacity_by_rank.append(float(dev.type.memory_bytes))
+            busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))
+            device_labels.append(dev.label)
+            if s > 0:
+                p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank,
+                                   table.boundary_bytes[lo - 1], "none"))
+            rank += 1
+        replica_plans.append(ReplicaPlan(ri, table.name, tuple(stages), rep.share, micro_sizes, schedule,
+                                         rep.time_s()))
+
+    rank_device = {st.rank: spec.devices()[st.device] for rp in replica_plans for st in rp.stages}
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for p, ranks in holders.items():
+        if len(ranks) > 1:
+            groups.setdefault(tuple(sorted(ranks)), []).append(p)
+    param_bytes = {p: size for b in blocks for p, size in zip(b.params, b.param_sizes)}
+    grad_groups = []
+    for gi, (ranks, params) in enumerate(sorted(groups.items())):
+        nbytes = sum(param_bytes.get(p, 0.0) for p in params)
+        nodes = {rank_device[r].node for r in ranks}
+        link = spec.inter_node if len(nodes) > 1 else spec.link_between(rank_device[ranks[0]],
+                                                                          rank_device[ranks[0]])
+        grad_groups.append(GradGroup(gi, ranks, tuple(params), nbytes, "none", "ring",
+                                     ring_allreduce_s(nbytes, len(ranks), link)))
+
+    pipeline_s = max(r.estimated_s for r in replica_plans)
+    iteration_s = pipeline_s + solution.sync_s
+    world = rank
+    bubble = 1.0 - sum(busy_by_rank) / (iteration_s * world) if iteration_s > 0 else 0.0
+    prices = [rank_device[r].type.price_per_hour for r in range(world)]
+    cost = None
+    if all(p is not None for p in prices):
+        cost = sum(p for p in prices if p is not None) / 3600.0 * iteration_s / tables.global_batch
+    estimates = Estimates(
+        iteration_s=iteration_s, throughput_samples_s=tables.global_batch / iteration_s,
+        pipeline_s=pipeline_s, sync_s=solution.sync_s, bubble_fraction=max(bubble, 0.0),
+        memory_bytes=tuple(memory_by_rank), capacity_bytes=tuple(capacity_by_rank),
+        busy_s=tuple(busy_by_rank), cost_per_sample=cost)
+    gap = (solution.objective_s - solution.bound_s) / solution.objective_s if solution.objective_s else 0.0
+    facts = SolverFacts(strategy, solution.status, solution.objective_s, solution.bound_s, max(gap, 0.0),
+                        solution.configurations)
+    block_infos = tuple(BlockInfo(b.index, b.first_node, b.last_node, b.label, b.fwd_flops, b.bwd_flops,
+                                  b.param_bytes, b.activation_bytes, b.boundary_bytes, b.signature)
+                        for b in blocks)
+    return Plan(inputs=inputs, global_batch=tables.global_batch, world_size=world, blocks=block_infos,
+                replicas=tuple(replica_plans), grad_groups=tuple(grad_groups), p2p=tuple(p2p),
+                estimates=estimates, solver=facts, devices=tuple(device_labels))

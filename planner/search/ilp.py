@@ -1,0 +1,226 @@
+"""The top-level CP-SAT model: which pipeline shapes, how many replicas of each, batch shares,
+micro-batch counts, under device counts, minimising the estimated iteration time.
+
+A configuration k = (device class c, stage count S, micro-batch size m) carries its best stage
+split (planner.search.split). The model chooses n_k replicas of k with b_k samples each:
+
+    sum_k n_k * b_k >= B                       (every sample of the global batch is served)
+    sum_{k in c} n_k * S_k <= devices(c)       (device counts)
+    M_k * m_k >= b_k                           (micro-batches per replica)
+    T_pipe >= (M_k + S_k - 1) * t_k + opt_k    (1F1B/GPipe time with the slowest stage t_k)
+    T_sync >= allreduce_k(R), R = sum_k n_k    (gradient synchronisation across replicas)
+    minimise T_pipe + T_sync
+
+In the model itself, each configuration's micro-batch counts M are enumerated as items with a
+fixed time and capacity (only the Pareto frontier per pipeline shape), replicas of an item are an
+integer, and T_pipe is a staircase over the items' times: all linear. Two regimes are solved:
+replicas spread over nodes (sync on the network) and all replicas in one node (sync on the
+intra-node link); the better one wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from costmodel.network import ring_allreduce_s
+from costmodel.tables import CostTables
+from planner.search.split import NS_PER_S, Split, solve_split
+from planner.spec import Link
+
+
+@dataclass(frozen=True)
+class Config:
+    cls: int
+    num_stages: int
+    micro_batch: int
+    split: Split
+    optimizer_s: float
+    intra_node: bool            # the whole pipeline sits inside one node
+
+
+@dataclass(frozen=True)
+class Choice:
+    config: Config
+    replicas: int
+    share: int                  # samples per replica before trimming the excess
+
+
+@dataclass(frozen=True)
+class Solution:
+    choices: tuple[Choice, ...]
+    pipeline_s: float
+    sync_s: float
+    objective_s: float
+    bound_s: float
+    status: str
+    configurations: int
+    one_node: bool
+
+
+def micro_batch_options(global_batch: int, limit: int = 64) -> list[int]:
+    out, m = [], 1
+    while m <= min(global_batch, limit):
+        out.append(m)
+        m *= 2
+    return out
+
+
+def stage_count_options(num_blocks: int, num_devices: int, per_node: int,
+                        fixed: int | None) -> list[int]:
+    if fixed is not None:
+        return [fixed] if fixed <= min(num_blocks, num_devices) else []
+    options = {s for s in range(1, per_node + 1) if per_node % s == 0}
+    s = per_node * 2
+    while s <= min(num_devices, 64):
+        options.add(s)
+        s *= 2
+    return sorted(o for o in options if o <= min(num_blocks, num_devices))
+
+
+def build_configs(tables: CostTables, fixed_stages: int | None = None) -> list[Config]:
+    configs = []
+    for ci, table in enumerate(tables.classes):
+        for S in stage_count_options(tables.num_blocks, table.num_devices, table.per_node, fixed_stages):
+            intra = S <= table.per_node
+            bw = table.intra_bandwidth_bytes_s if intra else tables.inter_bandwidth_bytes_s
+            lat = table.intra_latency_s if intra else tables.inter_latency_s
+            for m in micro_batch_options(tables.global_batch):
+                split = solve_split(table, S, m, bw, lat, tables.grad_bytes)
+                if split is None:
+                    continue
+                opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1]))
+                          for s in range(S))
+                configs.append(Config(ci, S, m, split, opt, intra))
+    return configs
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * NS_PER_S))
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One way to run a replica: configuration k with M micro-batches (serves up to M*m samples)."""
+
+    config: int
+    micro_batches: int
+    time_ns: int
+    capacity: int
+
+
+def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256) -> list[_Item]:
+    """Per (class, stage count): the (time, samples) frontier over micro-batch size and count.
+
+    A replica shape that is slower and serves no more samples than another one on the same
+    devices is never better, so only the frontier enters the model.
+    """
+    B = tables.global_batch
+    by_shape: dict[tuple[int, int], list[_Item]] = {}
+    for k, c in enumerate(configs):
+        stage_ns = _ns(c.split.max_stage_s)
+        for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
+            item = _Item(k, M, (M + c.num_stages - 1) * stage_ns + _ns(c.optimizer_s),
+                         min(M * c.micro_batch, B))
+            by_shape.setdefault((c.cls, c.num_stages), []).append(item)
+    items: list[_Item] = []
+    for key in sorted(by_shape):
+        best = 0
+        for item in sorted(by_shape[key], key=lambda i: (i.time_ns, -i.capacity, i.config)):
+            if item.capacity > best:
+                best = item.capacity
+                items.append(item)
+    return items
+
+
+def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item], one_node: bool,
+                  time_limit_s: float) -> Solution | None:
+    """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node."""
+    B = tables.global_batch
+    model = cp_model.CpModel()
+    max_replicas = sum(t.num_devices for t in tables.classes)
+    n, n_max = [], []
+    for i, item in enumerate(items):
+        c = configs[item.config]
+        n_max.append(tables.classes[c.cls].num_devices // c.num_stages)
+        n.append(model.NewIntVar(0, n_max[i], f"n{i}"))
+    model.Add(sum(n[i] * item.capacity for i, item in enumerate(items)) >= B)
+    for ci, table in enumerate(tables.classes):
+        model.Add(sum(n[i] * configs[item.config].num_stages for i, item in enumerate(items)
+                      if configs[item.config].cls == ci) <= table.num_devices)
+
+    # Pipeline time as a staircase: ge[l] <=> T_pipe >= levels[l]; an item may be used only if
+    # its time is within T_pipe.
+    levels = sorted({item.time_ns for item in items})
+    ge = [model.NewBoolVar(f"ge{l}") for l in range(len(levels))]
+    for l in range(len(levels) - 1):
+        model.AddImplication(ge[l + 1], ge[l])
+    level_of = {t: l for l, t in enumerate(levels)}
+    used = []
+    for i, item in enumerate(items):
+        model.Add(n[i] <= n_max[i] * ge[level_of[item.time_ns]])
+        u = model.NewBoolVar(f"used{i}")
+        model.Add(n[i] >= 1).OnlyEnforceIf(u)
+        model.Add(n[i] == 0).OnlyEnforceIf(u.Not())
+        used.append(u)
+    t_pipe = sum(ge[l] * (levels[l] - (levels[l - 1] if l else 0)) for l in range(len(levels)))
+
+    replicas = model.NewIntVar(1, max_replicas, "replicas")
+    model.Add(replicas == sum(n))
+    inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
+    t_sync = model.NewIntVar(0, 1 << 50, "t_sync_ns")
+    shapes = sorted({(configs[it.config].cls, configs[it.config].num_stages) for it in items})
+    class_used = {ci: [] for ci in range(len(tables.classes))}
+    for ci, S in shapes:
+        members = [i for i, it in enumerate(items)
+                   if (configs[it.config].cls, configs[it.config].num_stages) == (ci, S)]
+        shape_used = model.NewBoolVar(f"shape{ci}_{S}")
+        model.AddMaxEquality(shape_used, [used[i] for i in members])
+        class_used[ci].append(shape_used)
+        table = tables.classes[ci]
+        grad = max(max(configs[items[i].config].split.stage_grad_bytes) for i in members)
+        link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
+        sync_table = [_ns(ring_allreduce_s(grad, r, link)) for r in range(max_replicas + 1)]
+        sync = model.NewIntVar(0, max(sync_table), f"sync{ci}_{S}")
+        model.AddElement(replicas, sync_table, sync)
+        model.Add(t_sync >= sync).OnlyEnforceIf(shape_used)
+        if one_node:
+            model.Add(sum(n[i] for i in members) * S <= table.per_node)
+    if one_node:
+        any_used = []
+        for ci, flags in class_used.items():
+            if flags:
+                flag = model.NewBoolVar(f"class{ci}")
+                model.AddMaxEquality(flag, flags)
+                any_used.append(flag)
+        model.Add(sum(any_used) <= 1)
+    model.Minimize(t_pipe + t_sync)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    choices = tuple(Choice(configs[item.config], solver.Value(n[i]), item.capacity)
+                    for i, item in enumerate(items) if solver.Value(n[i]))
+    return Solution(choices=choices, pipeline_s=solver.Value(t_pipe) / NS_PER_S,
+                    sync_s=solver.Value(t_sync) / NS_PER_S,
+                    objective_s=solver.ObjectiveValue() / NS_PER_S,
+                    bound_s=solver.BestObjectiveBound() / NS_PER_S,
+                    status=solver.StatusName(status), configurations=len(items), one_node=one_node)
+
+
+def solve(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0) -> Solution | None:
+    """Best plan over two topology regimes: replicas spread over the network, or inside one node."""
+    items = pareto_items(tables, configs)
+    if not items:
+        return None
+    found = [s for s in (_solve_regime(tables, configs, items, False, time_limit_s),
+                         _solve_regime(tables, configs, items, True, time_limit_s)) if s is not None]
+    if not found:
+        return None
+    return min(found, key=lambda s: (s.objective_s, s.one_node))

@@ -1,0 +1,34 @@
+"""Search strategies by name. `ilp` is the planner; the others are baselines for comparison."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from costmodel.tables import CostTables
+from passes.blocks import Block
+from planner.errors import PlanningError
+from planner.plan import Plan, PlanInputs
+from planner.search import explain, ilp
+from planner.search.assemble import assemble
+from planner.spec import ClusterSpec
+
+if TYPE_CHECKING:
+    from planner.api import PlanOptions
+
+STRATEGIES = ("ilp",)
+
+
+def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
+        options: PlanOptions) -> Plan:
+    if name not in STRATEGIES:
+        raise PlanningError(f"unknown strategy `{name}`", field="--strategy",
+                            fix=f"use one of: {', '.join(STRATEGIES)}")
+    configs = ilp.build_configs(tables, options.stages)
+    if not configs:
+        raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
+                            fix=explain.what_would_fit(tables))
+    solution = ilp.solve(tables, configs, options.time_limit_s)
+    if solution is None:
+        raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
+    return assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs,
+                    strategy=name, schedule=options.schedule)
