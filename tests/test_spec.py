@@ -145,7 +145,7 @@ def test_one_node_needs_no_network(tmp_path: Path) -> None:
 def test_link_between_intra_and_inter() -> None:
     spec = cluster("seed-mixed-32")
     d = spec.devices()
-    assert (d[5].group, d[5].node, d[5].local, d[5].label) == ("a100", 1, 1, "a1001:1")
+    assert (d[5].group, d[5].node, d[5].local, d[5].label) == ("a100", 1, 1, "a100/1:1")
     assert spec.link_between(d[0], d[1]).kind == "nvlink3"                      # same A100 node
     assert spec.link_between(d[0], d[4]).kind == "roce"                         # two A100 nodes
     assert spec.link_between(d[3], d[8]).kind == "roce"                         # A100 node -> V100 node
