@@ -36,6 +36,8 @@ class PlanOptions:
     strategy: str = "ilp"
     precision: str = "auto"            # fp32 | auto | bf16 | fp16
     stages: int | None = None          # force the pipeline depth of every replica
+    use_all_devices: bool = False      # every device must serve a stage
+    micro_batch: int | None = None     # force the micro-batch size
     memory_margin: float = 0.1
     schedule: str = "1f1b"
     time_limit_s: float = 30.0

@@ -97,6 +97,14 @@ def example_batch(model_file: ModelFile, batch_size: int) -> tuple[tuple[Any, ..
     return tuple(inputs), target
 
 
+def example_batch_for_step(model_file: ModelFile, batch_size: int, step: int) -> tuple[tuple[Any, ...], Any]:
+    """The rows of step `step`: `batch(batch_size, step)`, inputs as a tuple."""
+    inputs, target = model_file.batch(batch_size, step)
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return tuple(inputs), target
+
+
 def build_on_meta(model_file: ModelFile) -> nn.Module:
     """Build the model under the meta device: shapes only, no storage."""
     try:

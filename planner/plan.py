@@ -51,6 +51,7 @@ class StagePlan:
     overhead_s: float             # per micro-batch
     memory_bytes: float           # estimated peak
     params: tuple[str, ...]
+    slowdown: float = 1.0         # emulation: pad each compute step to this multiple (spec `slowdown`)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ class CausalSelfAttention(nn.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        # no bias: a key bias shifts every score of a query equally, so softmax ignores it and its
+        # gradient is exactly zero; AdamW would then amplify float noise into updates
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: Tensor) -> Tensor:

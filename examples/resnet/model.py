@@ -3,7 +3,8 @@
 Stem (3x3 conv, GroupNorm, ReLU), then stages of basic residual blocks
 (conv-GroupNorm-ReLU-conv-GroupNorm plus an identity skip, or a strided 1x1
 conv + GroupNorm projection where the shape changes), global average pooling and a
-linear classifier. GroupNorm rather than BatchNorm: normalisation is per sample, so
+linear classifier, plus a long skip: the stem's features go straight to the head (pooled and
+projected), so they cross every pipeline cut between stem and head. GroupNorm rather than BatchNorm: normalisation is per sample, so
 splitting a batch across replicas or micro-batches computes exactly the same thing.
 
 The data: each class has a fixed smooth random template (from a private generator);
@@ -89,10 +90,14 @@ class ResNet(nn.Module):
         self.blocks = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Linear(c_in, n_classes)
+        self.stem_head = nn.Linear(stage_widths[0], n_classes)
 
     def forward(self, images: Tensor) -> Tensor:
-        x = self.blocks(self.stem(images))
-        return self.classifier(torch.flatten(self.pool(x), 1))
+        stem = self.stem(images)
+        x = self.blocks(stem)
+        features = torch.flatten(self.pool(x), 1)
+        skip = torch.flatten(self.pool(stem), 1)  # long skip: stem features straight to the head
+        return self.classifier(features) + self.stem_head(skip)
 
 
 def model(**sizes: Any) -> nn.Module:

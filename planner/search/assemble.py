@@ -126,7 +126,8 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
                 rank=rank, device=dev.index, device_label=dev.label, device_type=dev.type.name,
                 precision=table.precision, recompute=False, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
-                overhead_s=over, memory_bytes=mem, params=tuple(params)))
+                overhead_s=over, memory_bytes=mem, params=tuple(params),
+                slowdown=dev.type.slowdown))
             memory_by_rank.append(mem)
             capacity_by_rank.append(float(dev.type.memory_bytes))
             busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))

@@ -80,14 +80,16 @@ def stage_count_options(num_blocks: int, num_devices: int, per_node: int,
     return sorted(o for o in options if o <= min(num_blocks, num_devices))
 
 
-def build_configs(tables: CostTables, fixed_stages: int | None = None) -> list[Config]:
+def build_configs(tables: CostTables, fixed_stages: int | None = None,
+                  fixed_micro_batch: int | None = None) -> list[Config]:
     configs = []
     for ci, table in enumerate(tables.classes):
         for S in stage_count_options(tables.num_blocks, table.num_devices, table.per_node, fixed_stages):
             intra = S <= table.per_node
             bw = table.intra_bandwidth_bytes_s if intra else tables.inter_bandwidth_bytes_s
             lat = table.intra_latency_s if intra else tables.inter_latency_s
-            for m in micro_batch_options(tables.global_batch):
+            micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
+            for m in micro_options:
                 split = solve_split(table, S, m, bw, lat, tables.grad_bytes)
                 if split is None:
                     continue
@@ -136,7 +138,7 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
 
 
 def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item], one_node: bool,
-                  time_limit_s: float) -> Solution | None:
+                  time_limit_s: float, use_all_devices: bool = False) -> Solution | None:
     """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node."""
     B = tables.global_batch
     model = cp_model.CpModel()
@@ -148,8 +150,12 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         n.append(model.NewIntVar(0, n_max[i], f"n{i}"))
     model.Add(sum(n[i] * item.capacity for i, item in enumerate(items)) >= B)
     for ci, table in enumerate(tables.classes):
-        model.Add(sum(n[i] * configs[item.config].num_stages for i, item in enumerate(items)
-                      if configs[item.config].cls == ci) <= table.num_devices)
+        devices_used = sum(n[i] * configs[item.config].num_stages for i, item in enumerate(items)
+                           if configs[item.config].cls == ci)
+        if use_all_devices:
+            model.Add(devices_used == table.num_devices)
+        else:
+            model.Add(devices_used <= table.num_devices)
 
     # Pipeline time as a staircase: ge[l] <=> T_pipe >= levels[l]; an item may be used only if
     # its time is within T_pipe.
@@ -214,13 +220,15 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
                     status=solver.StatusName(status), configurations=len(items), one_node=one_node)
 
 
-def solve(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0) -> Solution | None:
+def solve(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0,
+          use_all_devices: bool = False) -> Solution | None:
     """Best plan over two topology regimes: replicas spread over the network, or inside one node."""
     items = pareto_items(tables, configs)
     if not items:
         return None
-    found = [s for s in (_solve_regime(tables, configs, items, False, time_limit_s),
-                         _solve_regime(tables, configs, items, True, time_limit_s)) if s is not None]
+    regimes = [False] if use_all_devices else [False, True]
+    found = [s for s in (_solve_regime(tables, configs, items, one, time_limit_s, use_all_devices)
+                         for one in regimes) if s is not None]
     if not found:
         return None
     return min(found, key=lambda s: (s.objective_s, s.one_node))

@@ -23,11 +23,11 @@ def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec
     if name not in STRATEGIES:
         raise PlanningError(f"unknown strategy `{name}`", field="--strategy",
                             fix=f"use one of: {', '.join(STRATEGIES)}")
-    configs = ilp.build_configs(tables, options.stages)
+    configs = ilp.build_configs(tables, options.stages, options.micro_batch)
     if not configs:
         raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
                             fix=explain.what_would_fit(tables))
-    solution = ilp.solve(tables, configs, options.time_limit_s)
+    solution = ilp.solve(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
     if solution is None:
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
     return assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs,

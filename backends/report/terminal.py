@@ -1,0 +1,55 @@
+"""Terminal summary of a plan (what `plan` prints and `plan inspect` shows)."""
+
+from __future__ import annotations
+
+from planner.plan import Plan
+
+GIB = float(1 << 30)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def summary(plan: Plan) -> str:
+    e, s = plan.estimates, plan.solver
+    devices_used = plan.world_size
+    head = [
+        f"plan for {plan.inputs.cluster_name}: {len(plan.replicas)} replica(s) on {devices_used} device(s), "
+        f"global batch {plan.global_batch}, {len(plan.blocks)} blocks",
+        f"estimated step {_time(e.iteration_s)} (pipelines {_time(e.pipeline_s)} + gradient sync "
+        f"{_time(e.sync_s)}), {e.throughput_samples_s:,.1f} samples/s, bubble {e.bubble_fraction:.0%}",
+        f"search: {s.strategy}, {s.status}, objective {_time(s.objective_s)}, bound {_time(s.bound_s)}, "
+        f"gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
+    ]
+    if e.cost_per_sample is not None:
+        head.append(f"cost per sample: ${e.cost_per_sample:.6f}")
+    rows = []
+    for r in plan.replicas:
+        for st in r.stages:
+            rows.append([
+                str(st.rank), f"{r.index}/{st.index}", st.device_label, st.device_type, st.precision,
+                f"{st.first_block}-{st.last_block}", str(r.batch_share), "x".join(map(str, r.micro_batch_sizes[:1]))
+                + f" x{len(r.micro_batch_sizes)}",
+                f"{e.memory_bytes[st.rank] / GIB:.2f}/{e.capacity_bytes[st.rank] / GIB:.1f}",
+                _time(e.busy_s[st.rank])])
+    stages = _table(["rank", "rep/stage", "device", "type", "prec", "blocks", "share", "micro", "mem GiB",
+                     "busy"], rows)
+    groups = [[str(g.index), ",".join(map(str, g.ranks)) if len(g.ranks) <= 8 else f"{len(g.ranks)} ranks",
+               str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, _time(g.estimated_s)]
+              for g in plan.grad_groups[:12]]
+    more = f"\n... {len(plan.grad_groups) - 12} more gradient groups" if len(plan.grad_groups) > 12 else ""
+    grads = _table(["group", "ranks", "params", "MiB", "compressor", "est"], groups) + more if groups else \
+        "no gradient synchronisation (one replica)"
+    return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n"

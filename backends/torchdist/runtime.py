@@ -1,0 +1,223 @@
+"""The small runtime the emitted program calls: stage construction per micro-batch size,
+the pipeline schedule with explicit p2p, gradient synchronisation, metrics.
+
+torch.distributed.pipelining is not used because a plan here has replicas with different batch
+shares and micro-batch sizes (so different shapes per replica) and skip connections that jump
+over stages; both need per-value routing that PipelineStage does not offer.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from backends.torchdist.comm import P2P, Context, allreduce_sum_, tag
+from passes.split import StageSplit, split_stages
+from planner import frontend
+from planner import schedule as sched
+from planner.plan import Plan
+
+
+def build_model(model_file: frontend.ModelFile, seed: int) -> nn.Module:
+    """The full model with exactly the values of `torch.manual_seed(seed); model()` on one process."""
+    torch.manual_seed(seed)
+    return model_file.build()
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The program's optimizers: AdamW (torch defaults but the learning rate), or SGD, momentum 0.9."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def rows_of_replica(plan: Plan, replica_index: int) -> tuple[int, int]:
+    """[start, stop) rows of the global batch this replica trains on: shares in plan order."""
+    start = sum(r.batch_share for r in plan.replicas[:replica_index])
+    return start, start + plan.replicas[replica_index].batch_share
+
+
+def _slice_rows(value: Any, start: int, stop: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[start:stop]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_slice_rows(v, start, stop) for v in value)
+    return value
+
+
+class StageProgram:
+    """This rank's stage: its graphs (one per micro-batch size), parameters and schedule."""
+
+    def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, model: nn.Module) -> None:
+        self.plan, self.ctx, self.model_file = plan, ctx, model_file
+        self.model = model.to(ctx.device)
+        self.last_nodes = [s.last_node for s in ctx.replica.stages]
+        self._splits: dict[int, StageSplit] = {}
+        self.p2p = P2P()
+        self.params = {name: self.model.get_parameter(name) for name in ctx.stage.params}
+        self.grad_bytes_reduced = 0
+
+    def reset_counters(self) -> None:
+        """Per-step byte counters (p2p sent, gradients reduced)."""
+        self.p2p.bytes_sent = 0
+        self.grad_bytes_reduced = 0
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.params.values())
+
+    def split_for(self, micro_inputs: tuple[Any, ...]) -> StageSplit:
+        """Trace the model at this micro-batch size (once per size) and split it like the plan."""
+        rows = int(micro_inputs[0].shape[0])
+        if rows not in self._splits:
+            gm = frontend.trace(self.model, micro_inputs, file=str(self.model_file.path))
+            self._splits[rows] = split_stages(gm, self.last_nodes)
+        return self._splits[rows]
+
+    def train_step(self, step: int) -> float:
+        """Forward and backward of this rank's stage for every micro-batch; returns the loss
+        contribution of this rank (last stages: share-weighted mean over their rows)."""
+        ctx, plan = self.ctx, self.plan
+        inputs, target = frontend.example_batch_for_step(self.model_file, plan.global_batch, step)
+        start, _ = rows_of_replica(plan, ctx.replica.index)
+        micro = []
+        offset = start
+        for size in ctx.replica.micro_batch_sizes:
+            mb_inputs = frontend.to_device(_slice_rows(inputs, offset, offset + size), ctx.device)
+            mb_target = frontend.to_device(_slice_rows(target, offset, offset + size), ctx.device)
+            micro.append((mb_inputs, mb_target, size))
+            offset += size
+        actions = sched.make(ctx.replica.schedule, ctx.num_stages, len(micro))[ctx.stage.index]
+        saved: dict[int, dict[str, Any]] = {}
+        loss_sum = 0.0
+        for action in actions:
+            start_s = time.perf_counter()
+            if action.kind == "F":
+                loss_sum += self._forward(action.micro, micro[action.micro], saved)
+            else:
+                self._backward(action.micro, micro[action.micro], saved)
+            self._emulate_slowdown(time.perf_counter() - start_s)
+        self.p2p.wait_sends()
+        return loss_sum
+
+    def _emulate_slowdown(self, elapsed_s: float) -> None:
+        if self.ctx.stage.slowdown > 1.0:
+            time.sleep(elapsed_s * (self.ctx.stage.slowdown - 1.0))
+
+    def _forward(self, j: int, mb: tuple[Any, Any, int], saved: dict[int, dict[str, Any]]) -> float:
+        ctx = self.ctx
+        mb_inputs, mb_target, size = mb
+        split = self.split_for(mb_inputs)
+        stage = split.stages[ctx.stage.index]
+        local = dict(zip(split.model_inputs, mb_inputs))
+        value_index = {name: i for i, name in enumerate(sorted(split.values))}
+        args, received = [], []
+        for name in stage.inputs:
+            info = split.values[name]
+            if info.producer == -1:
+                args.append(local[name])
+                continue
+            t = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(info.producer),
+                              tag(j, value_index[name], False, len(value_index)), ctx.device)
+            if info.needs_grad:
+                t.requires_grad_(True)
+            args.append(t)
+            received.append((name, t))
+        outs = stage.module(*args)
+        record: dict[str, Any] = {"received": received, "sent": []}
+        contribution = 0.0
+        if ctx.is_last:
+            output = outs[0] if split.output_structure == "tensor" else outs
+            loss = self.model_file.loss_fn(output, mb_target) * (size / self.plan.global_batch)
+            record["loss"] = loss
+            contribution = float(loss.detach())
+        else:
+            for name, t in zip(stage.outputs, outs):
+                info = split.values[name]
+                for consumer in info.consumers:
+                    if consumer < ctx.num_stages:
+                        self.p2p.send(t, ctx.rank_of_stage(consumer),
+                                      tag(j, value_index[name], False, len(value_index)))
+                record["sent"].append((name, t))
+        record["split"] = split
+        saved[j] = record
+        return contribution
+
+    def _backward(self, j: int, mb: tuple[Any, Any, int], saved: dict[int, dict[str, Any]]) -> None:
+        ctx = self.ctx
+        record = saved.pop(j)
+        split: StageSplit = record["split"]
+        value_index = {name: i for i, name in enumerate(sorted(split.values))}
+        if ctx.is_last:
+            record["loss"].backward()
+        else:
+            tensors, grads = [], []
+            for name, t in record["sent"]:
+                info = split.values[name]
+                if not info.needs_grad:
+                    continue
+                total = None
+                for consumer in info.consumers:
+                    if consumer >= ctx.num_stages:
+                        continue
+                    g = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(consumer),
+                                      tag(j, value_index[name], True, len(value_index)), ctx.device)
+                    total = g if total is None else total + g
+                if total is not None and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(total)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        for name, t in record["received"]:
+            grad = t.grad if t.grad is not None else torch.zeros_like(t)
+            self.p2p.send(grad, ctx.rank_of_stage(split.values[name].producer),
+                          tag(j, value_index[name], True, len(value_index)))
+
+    def sync_gradients(self) -> None:
+        """Sum each gradient group's gradients over its ranks (replicas, and stages sharing a weight)."""
+        for group in self.plan.grad_groups:
+            if group.index not in self.ctx.grad_groups:
+                continue
+            grads = []
+            for name in group.params:
+                p = self.params[name]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            self.grad_bytes_reduced += allreduce_sum_(grads, self.ctx.grad_groups[group.index])
+
+    def save_final(self, out_dir: Path) -> Path:
+        path = out_dir / "final" / f"rank{self.ctx.rank}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({name: p.detach().cpu() for name, p in self.params.items()}, path)
+        return path
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Metrics:
+    """One JSON line per step and rank, appended to out/run/metrics.jsonl."""
+
+    def __init__(self, out_dir: Path, ctx: Context) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self.ctx = ctx
+
+    def log(self, **fields: Any) -> None:
+        record = {"rank": self.ctx.rank, "replica": self.ctx.replica.index, "stage": self.ctx.stage.index,
+                  "device": self.ctx.stage.device_label, **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def load_plan(path: Path) -> Plan:
+    return Plan.load(path)

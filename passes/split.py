@@ -1,0 +1,169 @@
+"""Split a traced graph into pipeline stages at the plan's cut nodes (lowering).
+
+Stage k holds the compute nodes after stage k-1's last node up to its own `last_node`. Each
+stage becomes a GraphModule whose inputs are the values it reads from outside (model inputs,
+which every rank computes locally, and values of earlier stages, which arrive by p2p) and whose
+outputs are the values later stages (or the model's output) read. Skip connections across several
+stages are ordinary values with a far consumer. Parameters enter as get_attr on the stage's own
+root module, which holds the very same Parameter objects as the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from passes.blocks import compute_nodes
+from planner.errors import PassError
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """A value crossing a stage boundary."""
+
+    name: str
+    producer: int                 # stage index; -1 for model inputs (available on every rank)
+    consumers: tuple[int, ...]    # stage indices; `num_stages` stands for the model output
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    needs_grad: bool              # floating and depends on a parameter: its gradient flows back
+
+
+@dataclass
+class StageGraph:
+    index: int
+    module: fx.GraphModule
+    inputs: list[str]
+    outputs: list[str]
+    params: list[str]
+    model_outputs: list[str] = field(default_factory=list)   # last stage: the model's outputs
+
+
+@dataclass
+class StageSplit:
+    stages: list[StageGraph]
+    values: dict[str, ValueInfo]          # every value that crosses a boundary or is a model input
+    model_inputs: list[str]
+    output_structure: str                 # "tensor" | "tuple"
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def attr_name(target: str) -> str:
+    return target.replace(".", "__")
+
+
+def _needs_grad(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """Which values depend on a trainable parameter (so their gradients are needed)."""
+    flag: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            value = _attr(gm, n.target)
+            flag[n] = isinstance(value, torch.Tensor) and value.requires_grad
+        elif n.op == "placeholder":
+            flag[n] = False
+        else:
+            val = n.meta.get("val")
+            # containers (a split's tuple) pass the flag on to their getitem elements
+            floating = not isinstance(val, torch.Tensor) or val.is_floating_point()
+            flag[n] = floating and any(flag.get(a, False) for a in n.all_input_nodes)
+    return flag
+
+
+def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
+    """Cut `gm` after each of `last_nodes` (one per stage, in order; the last ends the graph)."""
+    nodes = compute_nodes(gm.graph)
+    names = [n.name for n in nodes]
+    S = len(last_nodes)
+    stage_of: dict[fx.Node, int] = {}
+    cut_positions = []
+    for name in last_nodes:
+        if name not in names:
+            raise PassError(f"cut node `{name}` is not in the traced graph", field="stages.last_node",
+                            fix="re-plan: the model file changed since the plan was made")
+        cut_positions.append(names.index(name))
+    if cut_positions != sorted(cut_positions) or cut_positions[-1] != len(nodes) - 1:
+        raise PassError(f"cut nodes {last_nodes} are out of order or do not end the graph",
+                        fix="re-plan with this model file")
+    s = 0
+    for i, n in enumerate(nodes):
+        stage_of[n] = s
+        if i == cut_positions[s] and s < S - 1:
+            s += 1
+    grads = _needs_grad(nodes, gm)
+    output_node = gm.graph.output_node()
+    out_args = output_node.args[0]
+    out_values = list(out_args) if isinstance(out_args, (tuple, list)) else [out_args]
+    model_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+    values: dict[str, ValueInfo] = {}
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder",) and n not in stage_of:
+            continue
+        producer = -1 if n.op == "placeholder" else stage_of[n]
+        consumers = sorted({stage_of[u] for u in n.users if u in stage_of and stage_of[u] != producer}
+                           | ({S} if n in out_values and producer != S - 1 else set()))
+        if consumers or n.op == "placeholder":
+            val = n.meta.get("val")
+            values[n.name] = ValueInfo(n.name, producer, tuple(consumers),
+                                       tuple(getattr(val, "shape", ())),
+                                       getattr(val, "dtype", torch.float32), grads.get(n, False))
+
+    stages = []
+    for k in range(S):
+        graph = fx.Graph()
+        root = nn.Module()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[str] = []
+        params: list[str] = []
+        members = [n for n in nodes if stage_of[n] == k]
+
+        def lookup(a: fx.Node, graph: fx.Graph = graph, root: nn.Module = root, env: dict = env,
+                   inputs: list = inputs, params: list = params) -> fx.Node:
+            if a in env:
+                return env[a]
+            if a.op == "get_attr":
+                value = _attr(gm, a.target)
+                name = attr_name(a.target)
+                if isinstance(value, nn.Parameter):
+                    root.register_parameter(name, value)
+                    params.append(a.target)
+                elif isinstance(value, torch.Tensor):
+                    root.register_buffer(name, value)
+                else:
+                    setattr(root, name, value)
+                env[a] = graph.get_attr(name)
+            else:
+                env[a] = graph.placeholder(a.name)
+                env[a].meta = dict(a.meta)
+                inputs.append(a.name)
+            return env[a]
+
+        for n in members:
+            for a in n.all_input_nodes:
+                lookup(a)
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        outputs = [n.name for n in members if n.name in values and values[n.name].consumers]
+        model_outputs: list[str] = []
+        if k == S - 1:
+            model_outputs = [v.name for v in out_values]
+            for v in out_values:
+                lookup(v)
+            result = tuple(env[v] for v in out_values)
+            graph.output(result)
+        else:
+            graph.output(tuple(env[n] for n in members if n.name in outputs))
+        graph.lint()
+        stage_gm = fx.GraphModule(root, graph, class_name=f"Stage{k}")
+        stages.append(StageGraph(k, stage_gm, inputs, outputs, params, model_outputs))
+    structure = "tuple" if isinstance(out_args, (tuple, list)) and len(out_values) > 1 else "tensor"
+    return StageSplit(stages, values, model_inputs, structure)

@@ -1,0 +1,38 @@
+"""Shared test helpers: paths, planning into a temp dir, running emitted programs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+CLUSTERS = EXAMPLES / "clusters"
+SHARED_CLUSTERS = REPO.parent / "shared" / "clusters"
+
+
+def cluster_files() -> list[Path]:
+    """Every spec in ../shared/clusters (falls back to the bundled copies)."""
+    folder = SHARED_CLUSTERS if SHARED_CLUSTERS.is_dir() else CLUSTERS
+    return sorted(folder.glob("*.yaml"))
+
+
+def run_plan_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=REPO)
+
+
+def run_program(out: Path, steps: int, *, seed: int = 0, lr: float = 1e-3, timeout_s: float = 300,
+                save_final: bool = True, optimizer: str = "adamw") -> list[dict]:
+    """`plan run OUT` with a short collective timeout; returns the metrics lines."""
+    env = {**os.environ, "HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps), "--seed", str(seed),
+           "--lr", str(lr), "--optimizer", optimizer] + (["--save-final"] if save_final else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = (out / "run" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
