@@ -76,8 +76,28 @@ def _common_depth(a: fx.Node, b: fx.Node) -> int:
     return depth
 
 
-def live_after(nodes: list[fx.Node]) -> tuple[list[int], list[float]]:
-    """For each position i: how many activations (and their bytes) are live after node i."""
+def trainable_dependent(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value depends on a trainable parameter (the activations proper).
+
+    Values computed from the inputs alone (masks, rotary tables, positions) are context that every
+    later layer reads; they do not make a point a worse place to cut, so cut search ignores them.
+    """
+    dependent: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            val = n.meta.get("val")
+            if getattr(val, "requires_grad", False):
+                dependent.add(n)
+        elif n.op != "placeholder" and any(a in dependent for a in n.all_input_nodes):
+            dependent.add(n)
+    return dependent
+
+
+def live_after(nodes: list[fx.Node], count_only: set[fx.Node] | None = None) -> tuple[list[int], list[float]]:
+    """For each position i: how many activations (and all live bytes) are live after node i.
+
+    `count_only` restricts the count (not the bytes) to those nodes.
+    """
     position = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
     delta_count = [0] * (end + 1)
@@ -87,8 +107,9 @@ def live_after(nodes: list[fx.Node]) -> tuple[list[int], list[float]]:
         if last > position[n]:
             nbytes = n.meta[COST_KEY].out_bytes if n.meta[COST_KEY].op_class != "view" else 0.0
             nbytes = nbytes or _val_bytes(n)
-            delta_count[position[n]] += 1
-            delta_count[last] -= 1
+            if count_only is None or n in count_only:
+                delta_count[position[n]] += 1
+                delta_count[last] -= 1
             delta_bytes[position[n]] += nbytes
             delta_bytes[last] -= nbytes
     counts, sizes, c, s = [], [], 0, 0.0
@@ -106,8 +127,14 @@ def _val_bytes(n: fx.Node) -> float:
     return tensor_bytes(n.meta.get("val"))
 
 
+def _reads_parameter(node: fx.Node) -> bool:
+    return any(a.op == "get_attr" and getattr(a.meta.get("val"), "requires_grad", False)
+               for a in node.all_input_nodes)
+
+
 def choose_cuts(nodes: list[fx.Node], counts: list[int], max_blocks: int) -> list[int]:
-    """Positions after which to cut: fewest live values, then shallowest module boundary."""
+    """Positions after which to cut: fewest live activations, no parameter-free blocks, then the
+    shallowest module boundaries (whole levels only, so repeated layers get identical blocks)."""
     interior = range(len(nodes) - 1)
     if not interior:
         return []
@@ -117,6 +144,13 @@ def choose_cuts(nodes: list[fx.Node], counts: list[int], max_blocks: int) -> lis
         cuts = [i for i in interior if counts[i] <= floor + slack]
         if len(cuts) >= min(8, len(nodes) - 1):
             break
+    # a block that reads no parameter costs next to nothing: merge it into the next one
+    merged, since = [], 0
+    for i in cuts:
+        if any(_reads_parameter(n) for n in nodes[since:i + 1]):
+            merged.append(i)
+            since = i + 1
+    cuts = merged
     if len(cuts) < max_blocks:
         return cuts
     by_depth: dict[int, list[int]] = {}
@@ -128,10 +162,11 @@ def choose_cuts(nodes: list[fx.Node], counts: list[int], max_blocks: int) -> lis
         level = by_depth[depth]
         if len(level) <= room:
             kept.extend(level)
-        else:
-            step = len(level) / room if room else 0
+            continue
+        if not kept:  # not even the shallowest level fits: take an even subset of it
+            step = len(level) / room
             kept.extend(level[int(k * step)] for k in range(room))
-            break
+        break
     return sorted(kept)
 
 
@@ -151,7 +186,7 @@ class Blocks(Pass):
         nodes = compute_nodes(gm.graph)
         if not nodes:
             raise PassError("the traced model has no operations", fix="check that forward() computes something")
-        counts, sizes = live_after(nodes)
+        counts, sizes = live_after(nodes, trainable_dependent(gm.graph))
         cuts = choose_cuts(nodes, counts, self.max_blocks)
         bounds = [-1, *cuts, len(nodes) - 1]
         blocks: list[Block] = []

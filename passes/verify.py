@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner import schedule as sched
 from planner.errors import PassError, PlanningError
-from planner.plan import Plan
+from planner.ir import Plan
 from planner.spec import ClusterSpec
 
 

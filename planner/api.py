@@ -21,7 +21,7 @@ from passes.blocks import BLOCKS_KEY, Block, Blocks
 from passes.verify import verify_plan
 from planner import frontend
 from planner.errors import HetplanError, PlanningError
-from planner.plan import Plan, PlanInputs
+from planner.ir import Plan, PlanInputs
 from planner.search import strategies
 from planner.spec import ClusterSpec, load_cluster
 

@@ -96,7 +96,7 @@ def _timings_json(timings: dict[str, float]) -> str:
 
 def cmd_inspect(argv: list[str]) -> int:
     from backends.report.terminal import summary
-    from planner.plan import Plan
+    from planner.ir import Plan
 
     p = argparse.ArgumentParser(prog="plan inspect", description="Show a plan.")
     p.add_argument("out", help="plan directory (or plan.json)")
@@ -106,7 +106,7 @@ def cmd_inspect(argv: list[str]) -> int:
 
 
 def cmd_run(argv: list[str]) -> int:
-    from planner.plan import Plan
+    from planner.ir import Plan
 
     p = argparse.ArgumentParser(prog="plan run", description="Run the emitted program on this machine.")
     p.add_argument("out", help="plan directory")

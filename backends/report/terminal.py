@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.plan import Plan
+from planner.ir import Plan
 
 GIB = float(1 << 30)
 

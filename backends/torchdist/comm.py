@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from planner.plan import Plan, ReplicaPlan, StagePlan
+from planner.ir import Plan, ReplicaPlan, StagePlan
 
 DEFAULT_TIMEOUT_S = 300.0
 

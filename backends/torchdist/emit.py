@@ -6,7 +6,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from planner.plan import Plan
+from planner.ir import Plan
 
 TRAIN_TEMPLATE = '''\
 """Training program emitted by hetplan for cluster `{cluster}` (global batch {global_batch}).

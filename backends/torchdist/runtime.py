@@ -21,7 +21,7 @@ from backends.torchdist.comm import P2P, Context, allreduce_sum_, tag
 from passes.split import StageSplit, split_stages
 from planner import frontend
 from planner import schedule as sched
-from planner.plan import Plan
+from planner.ir import Plan
 
 
 def build_model(model_file: frontend.ModelFile, seed: int) -> nn.Module:

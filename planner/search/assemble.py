@@ -11,7 +11,7 @@ from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
 from passes.blocks import Block
 from planner.errors import PlanningError
-from planner.plan import (
+from planner.ir import (
     BlockInfo,
     Estimates,
     GradGroup,

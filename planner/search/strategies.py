@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from costmodel.tables import CostTables
 from passes.blocks import Block
 from planner.errors import PlanningError
-from planner.plan import Plan, PlanInputs
+from planner.ir import Plan, PlanInputs
 from planner.search import explain, ilp
 from planner.search.assemble import assemble
 from planner.spec import ClusterSpec
