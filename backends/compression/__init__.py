@@ -1,0 +1,53 @@
+"""Gradient compressors for explicit bucketed all-reduce or as DDP communication hooks.
+
+`make_compressor(name, group)` for `none`, `fp16`, `bf16`, `powersgd`, `onebit`; then
+`compressor.allreduce_mean_(FlatBucket(flat, shapes, index=i))` averages a bucket in
+place over the group and sets `compressor.last_wire_bytes`. The built-in torch hooks are
+reused through `FlatBucket` / `run_comm_hook`; `onebit` is ours (backends.kernels).
+"""
+
+from backends.compression.base import GradientCompressor
+from backends.compression.bucket import CommHook, FlatBucket, run_comm_hook
+from backends.compression.hooks import (
+    Bf16Compressor,
+    Fp16Compressor,
+    NoCompression,
+    PowerSGDCompressor,
+    bf16_round_fp32_wire_hook,
+)
+from backends.compression.onebit import (
+    OneBitCompressor,
+    OneBitState,
+    compress_with_feedback,
+    onebit_allreduce_mean_,
+    onebit_hook,
+    onebit_wire_bytes,
+    onebit_wire_ratio,
+)
+from backends.compression.registry import COMPRESSORS, CompressorFactory, make_compressor
+from backends.compression.wire import CollectiveTap, WireRecord, payload_nbytes
+
+__all__ = [
+    "COMPRESSORS",
+    "Bf16Compressor",
+    "CollectiveTap",
+    "CommHook",
+    "CompressorFactory",
+    "FlatBucket",
+    "Fp16Compressor",
+    "GradientCompressor",
+    "NoCompression",
+    "OneBitCompressor",
+    "OneBitState",
+    "PowerSGDCompressor",
+    "WireRecord",
+    "bf16_round_fp32_wire_hook",
+    "compress_with_feedback",
+    "make_compressor",
+    "onebit_allreduce_mean_",
+    "onebit_hook",
+    "onebit_wire_bytes",
+    "onebit_wire_ratio",
+    "payload_nbytes",
+    "run_comm_hook",
+]

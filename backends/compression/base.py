@@ -1,0 +1,58 @@
+"""The interface every gradient compressor implements."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from backends.compression.bucket import CommHook, FlatBucket
+
+
+class GradientCompressor(abc.ABC):
+    """Averages a flat gradient bucket over a process group (lossy or not) and counts wire bytes.
+
+    Use it either explicitly, on the flat buckets of an emitted program,
+
+        compressor.allreduce_mean_(FlatBucket(flat_grads, shapes, index=i, is_last=...))
+
+    or inside DDP: `ddp.register_comm_hook(*compressor.comm_hook())`.
+
+    After each `allreduce_mean_`, `last_wire_bytes` holds the payload bytes this rank
+    passed into collectives during that call (see `wire.py` for what is counted).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = process_group
+        self.calls = 0
+        self.last_wire_bytes = 0
+        self.total_wire_bytes = 0
+
+    def world_size(self) -> int:
+        """Ranks in the group the compressor averages over (the default group when None)."""
+        return dist.get_world_size(self.process_group)
+
+    def allreduce_mean_(self, grad: torch.Tensor | FlatBucket) -> torch.Tensor:
+        """Replace the bucket's values by their (compressed) mean over the group; return them.
+
+        Collective: every rank of the group must call it, with buckets of equal shape, in
+        the same order. A bare tensor is treated as one 1-D gradient in bucket 0.
+        """
+        bucket = grad if isinstance(grad, FlatBucket) else FlatBucket(grad)
+        result, wire_bytes = self._reduce(bucket)
+        self.calls += 1
+        self.last_wire_bytes = wire_bytes
+        self.total_wire_bytes += wire_bytes
+        return result
+
+    @abc.abstractmethod
+    def _reduce(self, bucket: FlatBucket) -> tuple[torch.Tensor, int]:
+        """Average `bucket` in place; return (its tensor, payload bytes passed to collectives)."""
+
+    @abc.abstractmethod
+    def comm_hook(self) -> tuple[Any, CommHook]:
+        """(state, hook) for `DistributedDataParallel.register_comm_hook`."""
