@@ -40,7 +40,7 @@ class PlanOptions:
     micro_batch: int | None = None     # force the micro-batch size
     memory_margin: float = 0.1
     schedule: str = "1f1b"
-    time_limit_s: float = 30.0
+    time_limit_s: float = 10.0         # solver work limit (CP-SAT deterministic seconds)
     max_blocks: int = 96
     names: dict[str, str] = field(default_factory=dict)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from backends.torchdist.comm import P2P, Context, allreduce_sum_, tag
 from passes.split import StageSplit, split_stages
@@ -128,7 +129,10 @@ class StageProgram:
                 t.requires_grad_(True)
             args.append(t)
             received.append((name, t))
-        outs = stage.module(*args)
+        if ctx.stage.recompute:   # keep only the stage inputs; rerun the forward during backward
+            outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+        else:
+            outs = stage.module(*args)
         record: dict[str, Any] = {"received": received, "sent": []}
         contribution = 0.0
         if ctx.is_last:

@@ -23,6 +23,7 @@ from planner.ir import (
     StagePlan,
 )
 from planner.search.ilp import Choice, Config, Solution
+from planner.search.split import kept_activation_bytes
 from planner.spec import ClusterSpec, Device
 
 
@@ -115,17 +116,18 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 params.extend(p for p in blocks[b].params if p not in params)
             for p in params:
                 holders.setdefault(p, []).append(rank)
-            fwd = sum(table.fwd_s[b] for b in range(lo, hi))
+            fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if cfg.split.recompute else 1)
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))
             in_flight = memory.in_flight_micro_batches(schedule, s, S, len(micro_sizes))
-            mem = sum(table.state_bytes[b] + table.act_bytes[b] * cfg.micro_batch * in_flight
-                      for b in range(lo, hi)) + memory.framework_bytes(rep.devices[s].type)
+            mem = sum(table.state_bytes[b] for b in range(lo, hi)) + kept_activation_bytes(
+                table, range(lo, hi), cfg.micro_batch, in_flight, cfg.split.recompute) \
+                + memory.framework_bytes(rep.devices[s].type)
             dev = rep.devices[s]
             stages.append(StagePlan(
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
                 rank=rank, device=dev.index, device_label=dev.label, device_type=dev.type.name,
-                precision=table.precision, recompute=False, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
+                precision=table.precision, recompute=cfg.split.recompute, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
                 overhead_s=over, memory_bytes=mem, params=tuple(params),
                 slowdown=dev.type.slowdown))
             memory_by_rank.append(mem)

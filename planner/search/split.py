@@ -1,16 +1,19 @@
-"""Contiguous stage split of the blocks for one pipeline shape, solved with CP-SAT.
+"""Contiguous stage split of the blocks for one pipeline shape, solved exactly.
 
 Given one device class, a stage count S and a micro-batch size m, choose contiguous block ranges
 minimising the slowest stage's time per micro-batch (compute, launches, boundary transfers)
 subject to each stage's memory (training state + activations of its in-flight micro-batches
-under 1F1B) fitting the device. Exact: CP-SAT proves optimality on these sizes.
+under 1F1B) fitting the device. A dynamic programme solves it exactly (the bottleneck contiguous
+partition; alpa's stage construction does the same); the top-level CP-SAT model then chooses
+among the shapes. With recompute (activation checkpointing of the whole stage)
+a stage keeps only its inputs per in-flight micro-batch and runs each forward twice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
+import numpy as np
 
 from costmodel.tables import ClassTable
 
@@ -26,6 +29,7 @@ class Split:
     stage_memory_bytes: tuple[float, ...]
     stage_grad_bytes: tuple[float, ...]
     optimal: bool
+    recompute: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -36,82 +40,102 @@ class Split:
         return max(self.stage_s)
 
 
+def block_time_s(table: ClassTable, b: int, micro_batch: int, recompute: bool) -> float:
+    """One micro-batch through block b, forward and backward (recompute runs the forward twice)."""
+    fwd = table.fwd_s[b] * (2 if recompute else 1)
+    return (fwd + table.bwd_s[b]) * micro_batch + table.overhead_s[b] * (1.5 if recompute else 1.0)
+
+
+def kept_activation_bytes(table: ClassTable, blocks: range, micro_batch: int, in_flight: int,
+                          recompute: bool) -> float:
+    """Activations a stage holds at peak: all in-flight micro-batches' (no recompute), or their
+    stage inputs plus one micro-batch being recomputed."""
+    if not recompute:
+        return sum(table.act_bytes[b] for b in blocks) * micro_batch * in_flight
+    stage_input = max(table.boundary_bytes)
+    return (stage_input * in_flight + sum(table.act_bytes[b] for b in blocks)) * micro_batch
+
+
 def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, link_bw: float,
-                link_lat: float, grad_bytes: tuple[float, ...]) -> Split:
+                link_lat: float, grad_bytes: tuple[float, ...], recompute: bool = False) -> Split:
     """Evaluate a given split (used by the solver's result and by baseline strategies)."""
     S = len(bounds) - 1
     times, mems, grads = [], [], []
     for s in range(S):
         blocks = range(bounds[s], bounds[s + 1])
-        t = sum((table.fwd_s[b] + table.bwd_s[b]) * micro_batch + table.overhead_s[b] for b in blocks)
+        t = sum(block_time_s(table, b, micro_batch, recompute) for b in blocks)
         last = bounds[s + 1] - 1
         if s < S - 1:
             t += 2 * (link_lat + table.boundary_bytes[last] * micro_batch / link_bw)
-        in_flight = S - s
-        mem = sum(table.state_bytes[b] + table.act_bytes[b] * micro_batch * in_flight for b in blocks)
+        mem = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
+            table, blocks, micro_batch, S - s, recompute)
         times.append(t)
         mems.append(mem)
         grads.append(sum(grad_bytes[b] for b in blocks))
-    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False)
+    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute)
+
+
+def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recompute: bool) -> bool:
+    """Exact feasibility test: fill each stage with as many blocks as its memory allows.
+
+    Taking more blocks early never hurts later stages (they face a shorter suffix), so the greedy
+    packing fits in S stages iff some contiguous split does. This spares the solver from proving
+    infeasibility, which is its slowest case.
+    """
+    N, S = len(table.fwd_s), num_stages
+    stage_input = max(table.boundary_bytes) * micro_batch
+    b = 0
+    for s in range(S):
+        in_flight = S - s
+        used = stage_input * in_flight if recompute else 0.0
+        start = b
+        while b < N:
+            act = table.act_bytes[b] * micro_batch * (1 if recompute else in_flight)
+            if used + table.state_bytes[b] + act > table.capacity_bytes:
+                break
+            used += table.state_bytes[b] + act
+            b += 1
+        if b == start and b < N:
+            return False
+    return b == N
 
 
 def solve_split(table: ClassTable, num_stages: int, micro_batch: int, link_bw: float, link_lat: float,
-                grad_bytes: tuple[float, ...], time_limit_s: float = 10.0) -> Split | None:
-    """Best contiguous split into `num_stages` stages, or None when no split fits in memory."""
-    N, S = len(table.fwd_s), num_stages
-    if S > N:
-        return None
-    if S == 1:
-        only = stage_costs(table, (0, N), micro_batch, link_bw, link_lat, grad_bytes)
-        fits = only.stage_memory_bytes[0] <= table.capacity_bytes
-        return Split(only.bounds, only.stage_s, only.stage_memory_bytes, only.stage_grad_bytes, True) \
-            if fits else None
-    t_ns = [round(((table.fwd_s[b] + table.bwd_s[b]) * micro_batch + table.overhead_s[b]) * NS_PER_S)
-            for b in range(N)]
-    cut_ns = [round(2 * (link_lat + table.boundary_bytes[b] * micro_batch / link_bw) * NS_PER_S)
-              for b in range(N)]
-    state = [round(table.state_bytes[b]) for b in range(N)]
-    act = [round(table.act_bytes[b] * micro_batch) for b in range(N)]
-    cap = int(table.capacity_bytes)
+                grad_bytes: tuple[float, ...], recompute: bool = False) -> Split | None:
+    """Best contiguous split into `num_stages` stages, or None when no split fits in memory.
 
-    m = cp_model.CpModel()
-    # x[b][s]: block b runs in stage s; stages are contiguous and in order.
-    x = [[m.NewBoolVar(f"x{b}_{s}") for s in range(S)] for b in range(N)]
-    for b in range(N):
-        m.AddExactlyOne(x[b])
-        for s in range(S):
-            if s > b or (N - 1 - b) < (S - 1 - s):
-                m.Add(x[b][s] == 0)        # each stage gets at least one block
-    stage_of = [sum(s * x[b][s] for s in range(S)) for b in range(N)]
-    m.Add(stage_of[0] == 0)
-    m.Add(stage_of[N - 1] == S - 1)
-    for b in range(N - 1):
-        step = stage_of[b + 1] - stage_of[b]
-        m.Add(step >= 0)
-        m.Add(step <= 1)
-    # w[b][s]: stage s ends after block b (a cut that sends activations forward, grads back).
-    w = [[m.NewBoolVar(f"w{b}_{s}") for s in range(S - 1)] for b in range(N - 1)]
-    for b in range(N - 1):
-        for s in range(S - 1):
-            m.AddBoolAnd([x[b][s], x[b + 1][s + 1]]).OnlyEnforceIf(w[b][s])
-            m.AddBoolOr([x[b][s].Not(), x[b + 1][s + 1].Not()]).OnlyEnforceIf(w[b][s].Not())
-    horizon = sum(t_ns) + sum(cut_ns)
-    worst = m.NewIntVar(0, horizon, "worst_stage_ns")
-    for s in range(S):
-        comm = sum(cut_ns[b] * w[b][s] for b in range(N - 1)) if s < S - 1 else 0
-        m.Add(sum(t_ns[b] * x[b][s] for b in range(N)) + comm <= worst)
-        in_flight = S - s
-        m.Add(sum((state[b] + act[b] * in_flight) * x[b][s] for b in range(N)) <= cap)
-    m.Minimize(worst)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    solver.parameters.max_time_in_seconds = time_limit_s
-    status = solver.Solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    Exact dynamic programme over (stage, end block), vectorised over the start block:
+    best[s][j] = min_i max(best[s-1][i], time(i..j-1) + cut(j-1)) over splits whose stage s fits.
+    """
+    N, S = len(table.fwd_s), num_stages
+    if S > N or not fits_greedily(table, S, micro_batch, recompute):
         return None
-    stages = [next(s for s in range(S) if solver.Value(x[b][s])) for b in range(N)]
-    bounds = [0] + [b + 1 for b in range(N - 1) if stages[b + 1] != stages[b]] + [N]
-    result = stage_costs(table, tuple(bounds), micro_batch, link_bw, link_lat, grad_bytes)
+    block_t = np.array([block_time_s(table, b, micro_batch, recompute) for b in range(N)])
+    cut_t = np.array([2 * (link_lat + table.boundary_bytes[b] * micro_batch / link_bw) for b in range(N)])
+    pre_t = np.concatenate([[0.0], np.cumsum(block_t)])
+    pre_state = np.concatenate([[0.0], np.cumsum(table.state_bytes)])
+    pre_act = np.concatenate([[0.0], np.cumsum(table.act_bytes)]) * micro_batch
+    stage_input = max(table.boundary_bytes) * micro_batch
+    best = np.full((S, N + 1), np.inf)
+    start_of = np.zeros((S, N + 1), dtype=np.int64)
+    for s in range(S):
+        in_flight = S - s
+        for j in range(s + 1, N - (S - 1 - s) + 1):
+            starts = np.arange(s, j) if s else np.array([0])
+            t = pre_t[j] - pre_t[starts] + (cut_t[j - 1] if s < S - 1 else 0.0)
+            act = pre_act[j] - pre_act[starts]
+            kept = act + stage_input * in_flight if recompute else act * in_flight
+            mem = pre_state[j] - pre_state[starts] + kept
+            prev = best[s - 1][starts] if s else np.zeros(1)
+            cand = np.where(mem <= table.capacity_bytes, np.maximum(prev, t), np.inf)
+            k = int(np.argmin(cand))
+            best[s][j], start_of[s][j] = cand[k], starts[k]
+    if not np.isfinite(best[S - 1][N]):
+        return None
+    bounds = [N]
+    for s in range(S - 1, 0, -1):
+        bounds.append(int(start_of[s][bounds[-1]]))
+    bounds.append(0)
+    result = stage_costs(table, tuple(reversed(bounds)), micro_batch, link_bw, link_lat, grad_bytes, recompute)
     return Split(result.bounds, result.stage_s, result.stage_memory_bytes, result.stage_grad_bytes,
-                 optimal=status == cp_model.OPTIMAL)
+                 optimal=True, recompute=recompute)

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from planner import schedule as sched
+from planner.errors import PassError
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,micro", [(1, 1), (2, 1), (2, 5), (4, 3), (4, 8), (3, 2)])
+def test_generated_schedules_pass_the_checker(kind, stages, micro):
+    s = sched.make(kind, stages, micro)
+    sched.check(s, micro)
+    assert sched.from_text(sched.to_text(s)) == s
+
+
+def test_1f1b_keeps_at_most_s_minus_stage_in_flight():
+    s = sched.one_f_one_b(4, 8)
+    for stage, acts in enumerate(s):
+        live, peak = 0, 0
+        for a in acts:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == min(4 - stage, 8)
+
+
+def test_action_text_form():
+    assert str(sched.Action(2, "F", 0)) == "2F0"
+    assert sched.Action.parse("1B13") == sched.Action(1, "B", 13)
+    with pytest.raises(ValueError):
+        sched.Action.parse("F1")
+
+
+def test_checker_rejects_backward_before_forward_and_prints_grid():
+    bad = sched.from_text("0F0 0B1 0F1 0B0\n1F0 1F1 1B0 1B1")
+    with pytest.raises(PassError) as err:
+        sched.check(bad, 2)
+    assert "runs B1 before F1" in str(err.value) and "stage 1:" in str(err.value)
+
+
+def test_checker_finds_cross_stage_deadlock():
+    bad = sched.from_text("0F0 0F1 0B1 0B0\n1F0 1B0 1F1 1B1")
+    sched.check(bad, 2)  # valid: stage 1 finishes micro 0 before micro 1
+    worse = sched.from_text("0F0 0B0 0F1 0B1\n1F0 1F1 1B1 1B0")
+    with pytest.raises(PassError, match="deadlock"):
+        sched.check(worse, 2)
+
+
+def test_checker_rejects_missing_actions():
+    with pytest.raises(PassError, match="exactly once"):
+        sched.check(sched.from_text("0F0 0B0\n1F0"), 1)
