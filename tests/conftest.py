@@ -1,0 +1,7 @@
+"""Session-wide test settings."""
+
+import os
+
+# Triton kernels run on CPU only through the interpreter, which must be chosen before triton's
+# first import (triton.language decorates its own functions at import time).
+os.environ.setdefault("TRITON_INTERPRET", "1")
