@@ -34,7 +34,7 @@ class Block:
     last_node: str
     label: str                       # the module path most of its nodes come from
     ops: tuple[OpCount, ...]
-    params: tuple[str, ...]          # get_attr targets the block reads
+    params: tuple[str, ...]          # trainable parameters (get_attr targets) the block reads
     param_sizes: tuple[float, ...]   # bytes of each of those parameters
     boundary_bytes: float            # activations live after the block (what a cut here sends)
     signature: str                   # equal for structurally identical blocks
@@ -194,8 +194,10 @@ class Blocks(Pass):
             members = nodes[bounds[b] + 1: bounds[b + 1] + 1]
             for n in members:
                 n.meta[BLOCK_INDEX_KEY] = b
-            params = sorted({a.target for n in members for a in n.all_input_nodes if a.op == "get_attr"})
-            attr_nodes = {a.target: a for n in members for a in n.all_input_nodes if a.op == "get_attr"}
+            # trainable parameters only: buffers and constants are not trained or synchronised
+            attr_nodes = {a.target: a for n in members for a in n.all_input_nodes
+                          if a.op == "get_attr" and getattr(a.meta.get("val"), "requires_grad", False)}
+            params = sorted(attr_nodes)
             param_sizes = tuple(attr_nodes[p].meta[PARAM_BYTES_KEY] for p in params)
             paths = [_module_path(n)[-1] if _module_path(n) else "" for n in members]
             label = max(set(paths), key=paths.count)

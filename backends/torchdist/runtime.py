@@ -178,6 +178,8 @@ class StageProgram:
             if tensors:
                 torch.autograd.backward(tensors, grads)
         for name, t in record["received"]:
+            if not split.values[name].needs_grad:   # context (masks, positions): no gradient flows
+                continue
             grad = t.grad if t.grad is not None else torch.zeros_like(t)
             self.p2p.send(grad, ctx.rank_of_stage(split.values[name].producer),
                           tag(j, value_index[name], True, len(value_index)))
