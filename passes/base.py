@@ -8,9 +8,9 @@ the graph after each one, and names the failing pass and the ones that ran befor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch.fx as fx
 

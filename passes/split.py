@@ -79,6 +79,47 @@ def _needs_grad(nodes: list[fx.Node], gm: fx.GraphModule) -> dict[fx.Node, bool]
     return flag
 
 
+class _StageBuilder:
+    """Copies nodes into one stage's graph; outside values become placeholders or get_attrs."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.inputs: list[str] = []
+        self.params: list[str] = []
+
+    def lookup(self, a: fx.Node) -> fx.Node:
+        if a in self.env:
+            return self.env[a]
+        if a.op == "get_attr":
+            value = _attr(self.gm, a.target)
+            name = attr_name(a.target)
+            if isinstance(value, nn.Parameter):
+                self.root.register_parameter(name, value)
+                self.params.append(a.target)
+            elif isinstance(value, torch.Tensor):
+                self.root.register_buffer(name, value)
+            else:
+                setattr(self.root, name, value)
+            self.env[a] = self.graph.get_attr(name)
+        else:
+            self.env[a] = self.graph.placeholder(a.name)
+            self.env[a].meta = dict(a.meta)
+            self.inputs.append(a.name)
+        return self.env[a]
+
+    def copy(self, n: fx.Node) -> None:
+        for a in n.all_input_nodes:
+            self.lookup(a)
+        self.env[n] = self.graph.node_copy(n, self.lookup)
+
+    def finish(self, results: list[fx.Node]) -> None:
+        self.graph.output(tuple(results))
+        self.graph.lint()
+
+
 def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
     """Cut `gm` after each of `last_nodes` (one per stage, in order; the last ends the graph)."""
     nodes = compute_nodes(gm.graph)
@@ -120,50 +161,19 @@ def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
 
     stages = []
     for k in range(S):
-        graph = fx.Graph()
-        root = nn.Module()
-        env: dict[fx.Node, fx.Node] = {}
-        inputs: list[str] = []
-        params: list[str] = []
+        builder = _StageBuilder(gm)
         members = [n for n in nodes if stage_of[n] == k]
-
-        def lookup(a: fx.Node, graph: fx.Graph = graph, root: nn.Module = root, env: dict = env,
-                   inputs: list = inputs, params: list = params) -> fx.Node:
-            if a in env:
-                return env[a]
-            if a.op == "get_attr":
-                value = _attr(gm, a.target)
-                name = attr_name(a.target)
-                if isinstance(value, nn.Parameter):
-                    root.register_parameter(name, value)
-                    params.append(a.target)
-                elif isinstance(value, torch.Tensor):
-                    root.register_buffer(name, value)
-                else:
-                    setattr(root, name, value)
-                env[a] = graph.get_attr(name)
-            else:
-                env[a] = graph.placeholder(a.name)
-                env[a].meta = dict(a.meta)
-                inputs.append(a.name)
-            return env[a]
-
         for n in members:
-            for a in n.all_input_nodes:
-                lookup(a)
-            env[n] = graph.node_copy(n, lambda a: env[a])
-        outputs = [n.name for n in members if n.name in values and values[n.name].consumers]
-        model_outputs: list[str] = []
+            builder.copy(n)
         if k == S - 1:
             model_outputs = [v.name for v in out_values]
-            for v in out_values:
-                lookup(v)
-            result = tuple(env[v] for v in out_values)
-            graph.output(result)
+            builder.finish([builder.lookup(v) for v in out_values])
+            outputs: list[str] = []
         else:
-            graph.output(tuple(env[n] for n in members if n.name in outputs))
-        graph.lint()
-        stage_gm = fx.GraphModule(root, graph, class_name=f"Stage{k}")
-        stages.append(StageGraph(k, stage_gm, inputs, outputs, params, model_outputs))
+            model_outputs = []
+            outputs = [n.name for n in members if n.name in values and values[n.name].consumers]
+            builder.finish([builder.env[n] for n in members if n.name in outputs])
+        stage_gm = fx.GraphModule(builder.root, builder.graph, class_name=f"Stage{k}")
+        stages.append(StageGraph(k, stage_gm, builder.inputs, outputs, builder.params, model_outputs))
     structure = "tuple" if isinstance(out_args, (tuple, list)) and len(out_values) > 1 else "tensor"
     return StageSplit(stages, values, model_inputs, structure)

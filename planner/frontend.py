@@ -12,10 +12,11 @@ import hashlib
 import importlib.util
 import io
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -113,7 +114,7 @@ def build_on_meta(model_file: ModelFile) -> nn.Module:
     except Exception as exc:
         raise ModelFileError(f"model() failed on the meta device: {type(exc).__name__}: {exc}",
                              file=str(model_file.path), field="model",
-                             fix="build layers with torch.nn only; no weight loading or .to(device) calls")
+                             fix="build layers with torch.nn only; no weight loading or .to(device) calls") from exc
     if not isinstance(module, nn.Module):
         raise ModelFileError(f"model() returned {type(module).__name__}, not an nn.Module",
                              file=str(model_file.path), field="model", fix="return an nn.Module")

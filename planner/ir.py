@@ -159,7 +159,8 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanFileError(f"not valid JSON: {exc}", file=source, fix="re-run `plan` to write it again")
+            raise PlanFileError(f"not valid JSON: {exc}", file=source,
+                                fix="re-run `plan` to write it again") from exc
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise PlanFileError(f"schema_version {version}, this hetplan reads {SCHEMA_VERSION}",
