@@ -76,3 +76,16 @@ def test_resnet_skip_across_stages_matches_single_process(tmp_path):
     # sqrt(v) turns those 1e-7 differences on near-zero gradients into 1e-4 parameter differences
     # (single-process gradient accumulation shows the same); with SGD the check is 1e-5 tight.
     _check_against_reference(out, plan, "resnet", optimizer="sgd", lr=0.05)
+
+
+@pytest.mark.slow
+def test_mlp_gpipe_schedule_matches_single_process(tmp_path):
+    out = tmp_path / "out"
+    proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
+                        "--global-batch", "16", "--stages", "2", "--use-all-devices", "--micro-batch", "3",
+                        "--schedule", "gpipe", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(out)
+    assert {r.schedule for r in plan.replicas} == {"gpipe"}
+    assert any(len(set(r.micro_batch_sizes)) > 1 for r in plan.replicas)   # uneven last micro-batch
+    _check_against_reference(out, plan, "mlp")
