@@ -1,4 +1,5 @@
-"""Search strategies by name. `ilp` is the planner; the others are baselines for comparison."""
+"""Search strategies by name. `ilp` is the planner; `exact` enumerates the ILP's space (small
+clusters: a reference optimum); the others are baselines for comparison (planner.search.baselines)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from costmodel.tables import CostTables
 from passes.blocks import Block
 from planner.errors import PlanningError
 from planner.ir import Plan, PlanInputs
-from planner.search import explain, ilp
+from planner.search import baselines, explain, ilp
 from planner.search.assemble import assemble
+from planner.search.enumerate import exact_solution
 from planner.spec import ClusterSpec
 
 if TYPE_CHECKING:
     from planner.api import PlanOptions
 
-STRATEGIES = ("ilp",)
+STRATEGIES = ("ilp", "exact", *baselines.SOLVERS)
 
 
 def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
@@ -23,11 +25,16 @@ def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec
     if name not in STRATEGIES:
         raise PlanningError(f"unknown strategy `{name}`", field="--strategy",
                             fix=f"use one of: {', '.join(STRATEGIES)}")
+    if name in baselines.SOLVERS:
+        return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options)
     configs = ilp.build_configs(tables, options.stages, options.micro_batch)
     if not configs:
         raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
                             fix=explain.what_would_fit(tables))
-    solution = ilp.solve(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
+    if name == "exact":   # enumeration of the ILP's space: small clusters only
+        solution = exact_solution(tables, configs, use_all_devices=options.use_all_devices)
+    else:
+        solution = ilp.solve(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
     if solution is None:
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
     return assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs,

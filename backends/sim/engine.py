@@ -1,0 +1,127 @@
+"""Event simulation of one training iteration of a plan.
+
+Per replica, each rank runs its schedule's actions (planner.schedule) in order. A forward of
+micro-batch j on stage s starts when the rank is free and stage s-1's activations of j have
+arrived; a backward when stage s+1's input gradient of j has arrived. Sends are asynchronous (the
+runtime uses isend): a transfer starts when its producer finishes and the directed link between
+the two stages is free, and occupies only that link. After its last backward a rank joins its
+gradient groups in plan order (every rank issues them in that order): a collective starts when
+all member ranks are free and blocks them for its duration (no overlap with compute in v1).
+Then each rank runs its optimizer step. Deterministic: no randomness, ties broken by order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from backends.sim.inputs import ReplicaWork, SimInput
+from planner import schedule as sched
+from planner.errors import PassError
+
+SYNC_LABEL = "sync"
+OPTIMIZER_LABEL = "opt"
+
+
+class Span(NamedTuple):
+    """One interval of one rank's timeline; labels are schedule actions (`0F3`), `sync<g>`, `opt`."""
+
+    rank: int
+    label: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_s: float
+    throughput_samples_s: float
+    pipeline_s: float                # when the last backward of any rank ends
+    busy_s: tuple[float, ...]        # per rank: forward + backward compute
+    bubble_fraction: float           # 1 - sum(busy) / (ranks * iteration)
+    timeline: tuple[Span, ...]       # by rank, then start time
+
+    def spans_of(self, rank: int) -> list[Span]:
+        return [s for s in self.timeline if s.rank == rank]
+
+
+def _run_replica(rep: ReplicaWork, spans: list[Span], busy: list[float]) -> dict[int, float]:
+    """Simulate one replica's pipeline, adding compute time to `busy`; returns each rank's time
+    of its last action."""
+    S, M = len(rep.stages), rep.num_micro
+    actions = sched.make(rep.schedule, S, M)
+    free = [0.0] * S
+    pos = [0] * S
+    arrival: dict[tuple[int, str, int], float] = {}   # (stage, kind, micro) -> input ready
+    done: set[tuple[int, str, int]] = set()
+    link_fwd = [0.0] * S    # link s -> s+1 free at
+    link_bwd = [0.0] * S    # link s -> s-1 free at
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for s in range(S):
+            work = rep.stages[s]
+            while pos[s] < len(actions[s]):
+                a = actions[s][pos[s]]
+                j = a.micro
+                if a.kind == "F":
+                    ready = s == 0 or (s, "F", j) in arrival
+                    dur = work.fwd_s[j]
+                else:
+                    ready = (s, "F", j) in done and (s == S - 1 or (s, "B", j) in arrival)
+                    dur = work.bwd_s[j]
+                if not ready:
+                    break
+                start = max(free[s], arrival.get((s, a.kind, j), 0.0))
+                end = start + dur
+                free[s] = end
+                done.add((s, a.kind, j))
+                spans.append(Span(work.rank, str(a), start, end))
+                busy[work.rank] += dur
+                if a.kind == "F" and s + 1 < S:
+                    t0 = max(end, link_fwd[s])
+                    link_fwd[s] = t0 + work.send_fwd_s[j]
+                    arrival[(s + 1, "F", j)] = link_fwd[s]
+                elif a.kind == "B" and s > 0:
+                    t0 = max(end, link_bwd[s])
+                    link_bwd[s] = t0 + work.send_bwd_s[j]
+                    arrival[(s - 1, "B", j)] = link_bwd[s]
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PassError(f"replica {rep.index}: schedule deadlocks in simulation:\n"
+                            + sched.format_grid(actions), fix="report this plan")
+    return {rep.stages[s].rank: free[s] for s in range(S)}
+
+
+def simulate(inp: SimInput) -> SimResult:
+    """Simulate one iteration: pipelines, then gradient groups, then optimizer steps."""
+    spans: list[Span] = []
+    busy = [0.0] * inp.world_size
+    free: dict[int, float] = {}
+    for rep in inp.replicas:
+        free.update(_run_replica(rep, spans, busy))
+    pipeline_s = max(free.values(), default=0.0)
+    for sync in sorted(inp.syncs, key=lambda g: g.group):
+        members = [r for r in sync.ranks if r in free]
+        if not members:
+            continue
+        start = max(free[r] for r in members)
+        end = start + sync.duration_s
+        for r in members:
+            spans.append(Span(r, f"{SYNC_LABEL}{sync.group}", start, end))
+            free[r] = end
+    for rep in inp.replicas:
+        for st in rep.stages:
+            start = free[st.rank]
+            free[st.rank] = start + st.optimizer_s
+            spans.append(Span(st.rank, OPTIMIZER_LABEL, start, free[st.rank]))
+    iteration_s = max(free.values(), default=0.0)
+    ranks = len(free)
+    bubble = 1.0 - sum(busy) / (ranks * iteration_s) if iteration_s > 0 and ranks else 0.0
+    timeline = tuple(sorted(spans, key=lambda sp: (sp.rank, sp.start_s, sp.end_s, sp.label)))
+    return SimResult(
+        iteration_s=iteration_s,
+        throughput_samples_s=inp.global_batch / iteration_s if iteration_s > 0 else 0.0,
+        pipeline_s=pipeline_s, busy_s=tuple(busy), bubble_fraction=max(bubble, 0.0), timeline=timeline)

@@ -1,0 +1,156 @@
+"""What the simulator needs from a plan, as plain numbers: per-micro-batch compute and transfer
+times per stage, gradient-sync durations per group, optimizer time per rank.
+
+`from_plan(plan, spec)` derives them from the plan's stage records (per-sample forward/backward
+times, per-micro-batch launch overhead), its point-to-point edges and gradient groups, and the
+links of the cluster spec the plan was made for. Tests build a `SimInput` by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel import constants as C
+from costmodel.compression import activation_wire_bytes
+from costmodel.network import ring_allreduce_s
+from planner.errors import PlanningError
+from planner.ir import GradGroup, P2PEdge, Plan, ReplicaPlan, StagePlan
+from planner.spec import ClusterSpec, Device, Link
+
+# costmodel.compute.ops_overhead_s counts one launch per op forward and one backward, so the
+# per-micro-batch overhead of a stage splits evenly between its F and B actions.
+FORWARD_OVERHEAD_FRACTION = 0.5
+# A stage's plan record charges recompute as a second forward: fwd_s_per_sample is doubled
+# (split.block_time_s). The re-run forward happens inside the backward, with its launches.
+RECOMPUTE_FORWARD_COPIES = 2.0
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One rank's work in one iteration; tuples are indexed by micro-batch."""
+
+    rank: int
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    send_fwd_s: tuple[float, ...]   # activations to the next stage (empty on the last stage)
+    send_bwd_s: tuple[float, ...]   # input gradients to the previous stage (empty on the first)
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class ReplicaWork:
+    index: int
+    schedule: str                    # "1f1b" | "gpipe"
+    stages: tuple[StageWork, ...]
+
+    @property
+    def num_micro(self) -> int:
+        return len(self.stages[0].fwd_s) if self.stages else 0
+
+
+@dataclass(frozen=True)
+class SyncWork:
+    """One gradient group's collective: starts once every member rank is free, blocks them all."""
+
+    group: int
+    ranks: tuple[int, ...]
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class SimInput:
+    world_size: int
+    global_batch: int
+    replicas: tuple[ReplicaWork, ...]
+    syncs: tuple[SyncWork, ...]
+
+
+def slowest_link(spec: ClusterSpec, devices: list[Device]) -> Link:
+    """The slowest hop of a ring over `devices`: the network when they span nodes, plus the
+    intra-node link of every node holding two or more of them (least bandwidth, then most latency)."""
+    by_node: dict[int, list[Device]] = {}
+    for d in devices:
+        by_node.setdefault(d.node, []).append(d)
+    links = [spec.link_between(ds[0], ds[1]) for ds in by_node.values() if len(ds) > 1]
+    if len(by_node) > 1:
+        links.append(spec.inter_node)
+    if not links:   # a single device: no hop at all
+        return spec.link_between(devices[0], devices[0])
+    return min(links, key=lambda link: (link.bandwidth_bytes_s, -link.latency_s))
+
+
+def _compute_times(stage: StagePlan, rows: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Forward and backward seconds per micro-batch of `rows` samples."""
+    fwd_per_sample, extra_per_sample = stage.fwd_s_per_sample, 0.0
+    fwd_over = stage.overhead_s * FORWARD_OVERHEAD_FRACTION
+    bwd_over = stage.overhead_s - fwd_over
+    if stage.recompute:
+        fwd_per_sample = stage.fwd_s_per_sample / RECOMPUTE_FORWARD_COPIES
+        extra_per_sample = stage.fwd_s_per_sample - fwd_per_sample
+        bwd_over += fwd_over
+    fwd = tuple(fwd_per_sample * r + fwd_over for r in rows)
+    bwd = tuple((stage.bwd_s_per_sample + extra_per_sample) * r + bwd_over for r in rows)
+    return fwd, bwd
+
+
+def _wire_bytes(edge: P2PEdge, src: StagePlan, rows: int) -> float:
+    """Bytes one micro-batch of `rows` puts on the edge's link, after its activation compressor
+    (encode/decode kernel time is left out: small beside the transfer it shortens)."""
+    nbytes = edge.bytes_per_sample * rows
+    if edge.compressor == "none":
+        return nbytes
+    return activation_wire_bytes(edge.compressor, nbytes, C.BYTES_PER_ELEMENT[src.precision])
+
+
+def optimizer_step_s(param_bytes: float, device: Device) -> float:
+    """AdamW step over `param_bytes` of fp32 weights: streamed through memory, as costmodel.tables does."""
+    dev = device.type
+    return (param_bytes * C.OPTIMIZER_BYTES_FACTOR
+            / (dev.memory_bandwidth_bytes_s * C.MEMORY_EFFICIENCY) * dev.slowdown)
+
+
+def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica: ReplicaPlan,
+                  edges: dict[tuple[int, int], P2PEdge]) -> ReplicaWork:
+    rows = replica.micro_batch_sizes
+    stages = []
+    S = len(replica.stages)
+    for s, st in enumerate(replica.stages):
+        fwd, bwd = _compute_times(st, rows)
+        send_fwd: tuple[float, ...] = ()
+        send_bwd: tuple[float, ...] = ()
+        if s + 1 < S:
+            nxt = replica.stages[s + 1]
+            link = spec.link_between(devices[st.device], devices[nxt.device])
+            send_fwd = tuple(link.transfer_s(_wire_bytes(edges[(replica.index, s)], st, r)) for r in rows)
+        if s > 0:
+            prev = replica.stages[s - 1]
+            link = spec.link_between(devices[st.device], devices[prev.device])
+            send_bwd = tuple(link.transfer_s(_wire_bytes(edges[(replica.index, s - 1)], prev, r)) for r in rows)
+        param_bytes = sum(plan.blocks[b].param_bytes for b in range(st.first_block, st.last_block + 1))
+        stages.append(StageWork(st.rank, fwd, bwd, send_fwd, send_bwd,
+                                optimizer_step_s(param_bytes, devices[st.device])))
+    return ReplicaWork(replica.index, replica.schedule, tuple(stages))
+
+
+def _sync_work(spec: ClusterSpec, group: GradGroup, rank_device: dict[int, Device]) -> SyncWork:
+    if group.compressor != "none":
+        # the planner that chose a compressor costed its collective; v1 takes that figure as is
+        return SyncWork(group.index, group.ranks, group.estimated_s)
+    link = slowest_link(spec, [rank_device[r] for r in group.ranks])
+    return SyncWork(group.index, group.ranks, ring_allreduce_s(group.nbytes, len(group.ranks), link))
+
+
+def from_plan(plan: Plan, spec: ClusterSpec) -> SimInput:
+    """Simulator input for `plan` on the cluster `spec` it was planned for."""
+    devices = spec.devices()
+    rank_device: dict[int, Device] = {}
+    for replica in plan.replicas:
+        for st in replica.stages:
+            if st.device >= len(devices):
+                raise PlanningError(f"plan places rank {st.rank} on device {st.device}, the cluster has "
+                                    f"{len(devices)}", file=spec.source_path, fix="simulate on the plan's cluster")
+            rank_device[st.rank] = devices[st.device]
+    edges = {(e.replica, e.src_stage): e for e in plan.p2p}
+    replicas = tuple(_replica_work(plan, spec, devices, r, edges) for r in plan.replicas)
+    syncs = tuple(_sync_work(spec, g, rank_device) for g in sorted(plan.grad_groups, key=lambda g: g.index))
+    return SimInput(plan.world_size, plan.global_batch, replicas, syncs)

@@ -1,0 +1,266 @@
+"""Baseline strategies, to compare the ILP against under one simulator.
+
+Each builds the same objects the ILP returns (ilp.Config with a split.Split, ilp.Choice,
+ilp.Solution) and goes through the one `assemble()`, so every plan is made by one code path and
+checked by `verify_plan`:
+
+- `uniform`: every device alike: the smallest pipeline depth at which an equal-block split fits
+  every device class, one replica per group of that many devices, equal batch shares.
+- `fastest`: only the devices of the fastest type; the depth and micro-batch size with the best
+  estimate, time-balanced stages (the exact split), equal shares.
+- `megatron`: even DP x PP over all devices: one depth for every replica, equal blocks per stage,
+  equal shares; the depth and micro-batch size with the best estimate.
+- `metis`: Metis-style: one depth, stages balanced by each device type's own block times, batch
+  shares proportional to each replica's steady-state speed; the best depth and micro-batch size.
+
+Estimates use the ILP's formulas ((M + S - 1) * slowest stage + optimizer; ring all-reduce of the
+largest stage gradient over the replicas), with the exact replica count. A baseline that cannot fit
+the model raises PlanningError saying why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from costmodel.network import ring_allreduce_s
+from costmodel.tables import ClassTable, CostTables
+from passes.blocks import Block
+from passes.verify import verify_plan
+from planner.errors import PlanningError
+from planner.ir import Plan, PlanInputs
+from planner.search import ilp
+from planner.search.assemble import assemble
+from planner.search.split import solve_split, stage_costs
+from planner.spec import ClusterSpec, Link
+
+if TYPE_CHECKING:
+    from planner.api import PlanOptions
+
+HEURISTIC_STATUS = "HEURISTIC"      # no optimality proof: the plan reports bound 0 (gap 100%)
+Replica = tuple[ilp.Config, int]    # (configuration, batch share)
+
+
+def equal_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
+    """Contiguous stages of equal block counts (the first `num_blocks % num_stages` get one more)."""
+    size, extra = divmod(num_blocks, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
+    return tuple(bounds)
+
+
+def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
+                balanced: bool) -> ilp.Config | None:
+    """Configuration of class `cls`: exact time-balanced split or equal blocks; recompute only when
+    nothing fits without it (as ilp.build_configs). None when no split of this kind fits."""
+    table = tables.classes[cls]
+    if num_stages > tables.num_blocks:
+        return None
+    intra = num_stages <= table.per_node
+    bw = table.intra_bandwidth_bytes_s if intra else tables.inter_bandwidth_bytes_s
+    lat = table.intra_latency_s if intra else tables.inter_latency_s
+    split = None
+    for recompute in (False, True):
+        if balanced:
+            split = solve_split(table, num_stages, micro_batch, bw, lat, tables.grad_bytes, recompute)
+        else:
+            candidate = stage_costs(table, equal_bounds(tables.num_blocks, num_stages), micro_batch, bw, lat,
+                                    tables.grad_bytes, recompute)
+            fits = all(mem <= table.capacity_bytes for mem in candidate.stage_memory_bytes)
+            split = candidate if fits else None
+        if split is not None:
+            break
+    if split is None:
+        return None
+    opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1]))
+              for s in range(num_stages))
+    return ilp.Config(cls, num_stages, micro_batch, split, opt, intra)
+
+
+def pipelines_per_class(table: ClassTable, num_stages: int) -> int:
+    """Pipelines of depth `num_stages` that assemble places without splitting one across nodes
+    needlessly: whole pipelines per node, or whole nodes per pipeline."""
+    if num_stages <= table.per_node:
+        return table.num_nodes * (table.per_node // num_stages)
+    return table.num_nodes // math.ceil(num_stages / table.per_node)
+
+
+def replica_time_s(config: ilp.Config, share: int) -> float:
+    micro = math.ceil(share / config.micro_batch)
+    return (micro + config.num_stages - 1) * config.split.max_stage_s + config.optimizer_s
+
+
+def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTIC_STATUS) -> ilp.Solution:
+    """A Solution for explicit replicas (config, share), estimated with the ILP's formulas."""
+    replicas = [(c, share) for c, share in replicas if share > 0]
+    pipeline_s = max(replica_time_s(c, share) for c, share in replicas)
+    classes = {c.cls for c, _ in replicas}
+    cls = next(iter(classes))
+    one_node = len(classes) == 1 and sum(c.num_stages for c, _ in replicas) <= tables.classes[cls].per_node
+    if one_node:
+        link = Link("intra", tables.classes[cls].intra_bandwidth_bytes_s, tables.classes[cls].intra_latency_s)
+    else:
+        link = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
+    grad = max(max(c.split.stage_grad_bytes) for c, _ in replicas)
+    sync_s = ring_allreduce_s(grad, len(replicas), link)
+    counts: dict[tuple[ilp.Config, int], int] = {}
+    for key in replicas:
+        counts[key] = counts.get(key, 0) + 1
+    choices = tuple(ilp.Choice(c, n, share) for (c, share), n in counts.items())
+    return ilp.Solution(choices=choices, pipeline_s=pipeline_s, sync_s=sync_s, objective_s=pipeline_s + sync_s,
+                        bound_s=0.0, status=status, configurations=len(counts), one_node=one_node)
+
+
+def equal_shares(global_batch: int, count: int) -> list[int]:
+    base, extra = divmod(global_batch, count)
+    return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+def proportional_shares(global_batch: int, speeds: list[float]) -> list[int]:
+    """Integer shares proportional to `speeds`, summing to `global_batch` (largest remainder)."""
+    total = sum(speeds)
+    exact = [global_batch * s / total for s in speeds]
+    shares = [math.floor(x) for x in exact]
+    order = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[:global_batch - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _depths(tables: CostTables, classes: Iterable[int], options: PlanOptions) -> list[int]:
+    if options.stages is not None:
+        return [options.stages] if options.stages <= tables.num_blocks else []
+    out: set[int] = set()
+    for ci in classes:
+        t = tables.classes[ci]
+        out.update(ilp.stage_count_options(tables.num_blocks, t.num_devices, t.per_node, None))
+    return sorted(out)
+
+
+def _micro_batches(tables: CostTables, options: PlanOptions) -> list[int]:
+    return [options.micro_batch] if options.micro_batch else ilp.micro_batch_options(tables.global_batch)
+
+
+Layout = Callable[[int, int], list[Replica] | None]   # (depth, micro-batch) -> replicas, or None
+
+
+def _best(tables: CostTables, layout: Layout, depths: list[int], micros: list[int],
+          first_fit: bool = False) -> ilp.Solution | None:
+    """The layout with the smallest estimate over depths and micro-batch sizes (with `first_fit`:
+    the smallest depth at which any micro-batch size fits)."""
+    best: ilp.Solution | None = None
+    for S in depths:
+        for m in micros:
+            replicas = layout(S, m)
+            if not replicas:
+                continue
+            sol = evaluate(tables, replicas)
+            if best is None or sol.objective_s < best.objective_s:
+                best = sol
+        if first_fit and best is not None:
+            break
+    return best
+
+
+def _even_layout(tables: CostTables, classes: list[int], balanced: bool, strict: bool = True) -> Layout:
+    """One depth for all classes, pipelines on every whole group of devices, equal shares. With
+    `strict`, a depth some class cannot hold is rejected; otherwise that class sits idle."""
+    def layout(S: int, m: int) -> list[Replica] | None:
+        configs = []
+        for ci in classes:
+            cfg = make_config(tables, ci, S, m, balanced)
+            if cfg is None:
+                if strict:
+                    return None
+                continue
+            configs.extend([cfg] * pipelines_per_class(tables.classes[ci], S))
+        configs = configs[:tables.global_batch]     # more replicas than samples: the rest stay idle
+        if not configs:
+            return None
+        return list(zip(configs, equal_shares(tables.global_batch, len(configs))))
+    return layout
+
+
+def _metis_layout(tables: CostTables) -> Layout:
+    def layout(S: int, m: int) -> list[Replica] | None:
+        configs = []
+        for ci, table in enumerate(tables.classes):
+            cfg = make_config(tables, ci, S, m, balanced=True)
+            if cfg is not None:
+                configs.extend([cfg] * pipelines_per_class(table, S))
+        if not configs:
+            return None
+        speeds = [c.micro_batch / c.split.max_stage_s for c in configs]   # samples/s in steady state
+        return list(zip(configs, proportional_shares(tables.global_batch, speeds)))
+    return layout
+
+
+def _fail(name: str, tables: CostTables, why: str) -> PlanningError:
+    kinds = ", ".join(f"{t.name} ({t.device_type}, {t.num_devices})" for t in tables.classes)
+    return PlanningError(f"baseline `{name}` finds no plan: {why} (device classes: {kinds})",
+                         fix="use --strategy ilp, more devices, or devices with more memory")
+
+
+def uniform_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+    """Smallest depth whose equal-block split fits every class (else: the classes it fits)."""
+    everyone = list(range(len(tables.classes)))
+    depths, micros = _depths(tables, everyone, options), _micro_batches(tables, options)
+    sol = _best(tables, _even_layout(tables, everyone, balanced=False), depths, micros, first_fit=True) \
+        or _best(tables, _even_layout(tables, everyone, balanced=False, strict=False), depths, micros,
+                 first_fit=True)
+    if sol is None:
+        raise _fail("uniform", tables, "no depth lets an equal-block split fit on any device class")
+    return sol
+
+
+def fastest_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+    """Only the fastest device type (least compute time per sample over all blocks)."""
+    if options.use_all_devices:
+        raise PlanningError("baseline `fastest` uses one device type only", field="--use-all-devices",
+                            fix="drop --use-all-devices or choose another strategy")
+    def time_per_sample_s(t: ClassTable) -> float:
+        return sum(t.fwd_s) + sum(t.bwd_s)
+    fastest = min(tables.classes, key=lambda t: (time_per_sample_s(t), -t.num_devices)).device_type
+    chosen = [ci for ci, t in enumerate(tables.classes) if t.device_type == fastest]
+    sol = _best(tables, _even_layout(tables, chosen, balanced=True), _depths(tables, chosen, options),
+                _micro_batches(tables, options))
+    if sol is None:
+        raise _fail("fastest", tables, f"the model fits on no pipeline of {fastest} devices")
+    return sol
+
+
+def megatron_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+    """Best common depth over all devices (classes that cannot hold a depth sit out of it)."""
+    everyone = list(range(len(tables.classes)))
+    sol = _best(tables, _even_layout(tables, everyone, balanced=False, strict=False),
+                _depths(tables, everyone, options), _micro_batches(tables, options))
+    if sol is None:
+        raise _fail("megatron", tables, "no depth lets an equal-block split fit on any device class")
+    return sol
+
+
+def metis_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+    """Best common depth; per-class balanced splits; shares proportional to replica speed."""
+    everyone = list(range(len(tables.classes)))
+    sol = _best(tables, _metis_layout(tables), _depths(tables, everyone, options), _micro_batches(tables, options))
+    if sol is None:
+        raise _fail("metis", tables, "no depth lets a balanced split fit on any device class")
+    return sol
+
+
+SOLVERS: dict[str, Callable[[CostTables, PlanOptions], ilp.Solution]] = {
+    "uniform": uniform_solution, "fastest": fastest_solution, "megatron": megatron_solution,
+    "metis": metis_solution,
+}
+
+
+def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
+        options: PlanOptions) -> Plan:
+    """Plan with baseline `name` (a key of SOLVERS); the plan is verified, memory included."""
+    solution = SOLVERS[name](tables, options)
+    plan = assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name,
+                    schedule=options.schedule)
+    verify_plan(plan, spec)
+    return plan

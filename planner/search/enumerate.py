@@ -1,0 +1,232 @@
+"""Exact enumeration of the ILP's decision space on small instances: the optimum the CP-SAT model
+must reach, computed without a solver.
+
+The space is the one of planner.search.ilp: for each device class a multiset of replica shapes
+(stage count S, micro-batch size m, micro-batch count M) using at most its devices, each with the
+exact split of (class, S, m) (split.solve_split, via ilp.build_configs). The objective is
+ilp._solve_regime's, in the same integer nanoseconds:
+
+    T_pipe = max over used items of (M + S - 1) * ns(slowest stage) + ns(optimizer)
+    T_sync = max over used (class, S) shapes of ns(ring_allreduce(grad(shape), grid_ceil(R), link))
+    minimise T_pipe + T_sync, best of the two topology regimes
+
+where R counts all replicas, grid_ceil rounds R up to ilp.replica_grid, grad(shape) is the
+largest stage gradient over the shape's items that the ILP's model contains (ilp.pareto_items)
+and link is the network (spread regime) or the class's intra-node link (one-node regime: one
+class only, and each shape's replicas fit in one node).
+
+Enumerating multisets item by item grows too fast even at six devices, so the enumeration runs
+over (replica counts per shape, pipeline time level) instead, which is exact: with the shapes'
+replica counts fixed, sync is fixed, and for a time level T the best any replica of a shape can
+do is the largest capacity among that shape's items no slower than T. So for each vector of
+counts the optimum is the smallest level T at which those capacities cover the global batch
+(and every used shape has an item no slower than T). tests/test_enumerate.py checks this against
+literal multiset enumeration on tiny cases.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodel.network import ring_allreduce_s
+from costmodel.tables import CostTables
+from planner.errors import PlanningError
+from planner.search import ilp
+from planner.search.split import NS_PER_S
+from planner.spec import Link
+
+MAX_ASSIGNMENTS = 2_000_000      # replica-count vectors per regime; beyond this, use the ILP
+MAX_MICRO_BATCHES = 256          # ilp.pareto_items' default bound on M
+
+Shape = tuple[int, int]          # (class, stage count)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One way to run a replica: configuration `config` with M micro-batches."""
+
+    config: int
+    micro_batches: int
+    time_ns: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class ExactResult:
+    objective_s: float
+    pipeline_s: float
+    sync_s: float
+    one_node: bool
+    choices: tuple[ilp.Choice, ...]
+    assignments: int                 # replica-count vectors examined, both regimes
+
+
+def to_ns(seconds: float) -> int:
+    """Seconds to integer nanoseconds, rounded as the ILP does."""
+    return max(0, round(seconds * NS_PER_S))
+
+
+def all_items(tables: CostTables, configs: list[ilp.Config], max_micro: int = MAX_MICRO_BATCHES) -> list[Item]:
+    """Every (configuration, micro-batch count) the ILP may use, before any thinning."""
+    B = tables.global_batch
+    items = []
+    for k, c in enumerate(configs):
+        stage_ns, opt_ns = to_ns(c.split.max_stage_s), to_ns(c.optimizer_s)
+        for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
+            items.append(Item(k, M, (M + c.num_stages - 1) * stage_ns + opt_ns, min(M * c.micro_batch, B)))
+    return items
+
+
+def shape_grad_bytes(tables: CostTables, configs: list[ilp.Config]) -> dict[Shape, float]:
+    """Gradient bytes the ILP charges a shape's sync with: the largest stage gradient over the
+    configurations of its items in the model (the Pareto items, whichever micro-batch is used)."""
+    out: dict[Shape, float] = {}
+    for it in ilp.pareto_items(tables, configs):
+        c = configs[it.config]
+        key = (c.cls, c.num_stages)
+        out[key] = max(out.get(key, 0.0), max(c.split.stage_grad_bytes))
+    return out
+
+
+def _count_vectors(shapes: list[Shape], devices: int, exact: bool) -> list[tuple[int, ...]]:
+    """Replica counts per shape of one class using at most (`exact`: exactly) `devices` devices."""
+    out: list[tuple[int, ...]] = []
+    def extend(i: int, left: int, prefix: tuple[int, ...]) -> None:
+        if i == len(shapes):
+            if not exact or left == 0:
+                out.append(prefix)
+            return
+        for n in range(left // shapes[i][1] + 1):
+            extend(i + 1, left - n * shapes[i][1], (*prefix, n))
+    extend(0, devices, ())
+    return out
+
+
+def _grid_index(grid: list[int]) -> list[int]:
+    """For each replica count R (index), the index of the first grid point >= R."""
+    index, g = [0] * (grid[-1] + 1), 0
+    for R in range(1, grid[-1] + 1):
+        while grid[g] < R:
+            g += 1
+        index[R] = g
+    return index
+
+
+def _capacity_by_level(items: list[Item], configs: list[ilp.Config], shapes: list[Shape], levels: np.ndarray,
+                       ) -> tuple[np.ndarray, list[list[Item | None]], np.ndarray]:
+    """cap[h, l]: the largest capacity of shape h among its items no slower than levels[l]; best[h][l]:
+    that item; first_level[h]: the level of the shape's fastest item."""
+    cap = np.zeros((len(shapes), len(levels)), dtype=np.int64)
+    best: list[list[Item | None]] = [[None] * len(levels) for _ in shapes]
+    first_level = np.zeros(len(shapes), dtype=np.int64)
+    for h, shape in enumerate(shapes):
+        mine = sorted((it for it in items if (configs[it.config].cls, configs[it.config].num_stages) == shape),
+                      key=lambda it: (it.time_ns, -it.capacity, it.config, it.micro_batches))
+        first_level[h] = int(np.searchsorted(levels, mine[0].time_ns))
+        top: Item | None = None
+        i = 0
+        for l, t in enumerate(levels):
+            while i < len(mine) and mine[i].time_ns <= t:
+                if top is None or mine[i].capacity > top.capacity:
+                    top = mine[i]
+                i += 1
+            cap[h, l] = top.capacity if top else 0
+            best[h][l] = top
+    return cap, best, first_level
+
+
+def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, used: np.ndarray,
+                   per_class: bool) -> bool:
+    classes = {shapes[h][0] for h in used}
+    if len(classes) > 1:
+        return False
+    per_node = tables.classes[next(iter(classes))].per_node
+    devices = [int(counts[h]) * shapes[h][1] for h in used]
+    return sum(devices) <= per_node if per_class else max(devices) <= per_node
+
+
+def solve_exact(tables: CostTables, configs: list[ilp.Config], use_all_devices: bool = False,
+                one_node_per_class: bool = False) -> ExactResult | None:
+    """The optimum of the ILP's model by enumeration; None when nothing covers the batch.
+
+    The ILP's one-node regime bounds each shape's devices by the node size separately, so two
+    shapes of one class together may exceed a node while syncing on the intra-node link;
+    `one_node_per_class` bounds the class's total instead (what the regime means)."""
+    items = all_items(tables, configs)
+    if not items:
+        return None
+    B = tables.global_batch
+    shapes = sorted({(configs[it.config].cls, configs[it.config].num_stages) for it in items})
+    levels = np.array(sorted({it.time_ns for it in items}), dtype=np.int64)
+    cap, best, first_level = _capacity_by_level(items, configs, shapes, levels)
+    grads = shape_grad_bytes(tables, configs)
+    max_replicas = sum(t.num_devices for t in tables.classes)
+    grid = ilp.replica_grid(max_replicas)
+    grid_at = _grid_index(grid)
+    inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
+
+    per_class = []
+    for ci, table in enumerate(tables.classes):
+        of_class = [h for h, (c, _) in enumerate(shapes) if c == ci]
+        per_class.append((of_class, _count_vectors([shapes[h] for h in of_class], table.num_devices,
+                                                    use_all_devices)))
+    total = math.prod(len(vectors) for _, vectors in per_class)
+    if total > MAX_ASSIGNMENTS:
+        raise PlanningError(f"exact enumeration would examine {total:,} replica-count vectors "
+                            f"(limit {MAX_ASSIGNMENTS:,})", fix="use --strategy ilp on instances this large")
+
+    found: tuple[int, int, int, bool, np.ndarray] | None = None   # (objective, pipe, sync, one_node, counts)
+    examined = 0
+    for one_node in ([False] if use_all_devices else [False, True]):
+        link_of: dict[int, list[int]] = {}
+        for h, (ci, _) in enumerate(shapes):
+            t = tables.classes[ci]
+            link = Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
+            g = grads.get(shapes[h], 0.0)
+            link_of[h] = [to_ns(ring_allreduce_s(g, n, link)) for n in grid]
+        for combo in itertools.product(*(vectors for _, vectors in per_class)):
+            counts = np.zeros(len(shapes), dtype=np.int64)
+            for (of_class, _), vec in zip(per_class, combo):
+                counts[of_class] = vec
+            R = int(counts.sum())
+            if R == 0:
+                continue
+            used = np.nonzero(counts)[0]
+            if one_node and not _fits_one_node(tables, shapes, counts, used, one_node_per_class):
+                continue
+            examined += 1
+            covered = counts @ cap >= B
+            if not covered.any():
+                continue
+            level = max(int(np.argmax(covered)), int(first_level[used].max()))
+            pipe = int(levels[level])
+            sync = max(link_of[int(h)][grid_at[R]] for h in used)
+            key = (pipe + sync, pipe, sync, one_node, counts)
+            if found is None or key[:2] < found[:2]:
+                found = key
+    if found is None:
+        return None
+    objective, pipe, sync, one_node, counts = found
+    level = int(np.searchsorted(levels, pipe))
+    choices = []
+    for h in np.nonzero(counts)[0].tolist():
+        item = best[h][level]
+        if item is None:   # a used shape always has an item at the chosen level
+            raise AssertionError(f"shape {shapes[h]} has no item at level {level}")
+        choices.append(ilp.Choice(configs[item.config], int(counts[h]), item.capacity))
+    return ExactResult(objective / NS_PER_S, pipe / NS_PER_S, sync / NS_PER_S, one_node, tuple(choices),
+                       examined)
+
+
+def exact_solution(tables: CostTables, configs: list[ilp.Config], use_all_devices: bool = False) -> ilp.Solution | None:
+    """solve_exact as an ilp.Solution, for assemble() (the `exact` strategy)."""
+    result = solve_exact(tables, configs, use_all_devices)
+    if result is None:
+        return None
+    return ilp.Solution(choices=result.choices, pipeline_s=result.pipeline_s, sync_s=result.sync_s,
+                        objective_s=result.objective_s, bound_s=result.objective_s, status="OPTIMAL",
+                        configurations=len(all_items(tables, configs)), one_node=result.one_node)
