@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from costmodel import constants as C
+from costmodel.calibration import Calibration
 from costmodel.compute import _is_cpu
 from planner.spec import DeviceType
 
@@ -27,7 +28,10 @@ def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micr
     return min(num_stages - stage, num_micro)
 
 
-def framework_bytes(device: DeviceType) -> float:
+def framework_bytes(device: DeviceType, calibration: Calibration | None = None) -> float:
+    """Memory a process holds before any model state: measured when `calibration` covers `device`."""
+    if calibration is not None and calibration.matches(device):
+        return calibration.framework_bytes
     return C.CPU_FRAMEWORK_OVERHEAD_BYTES if _is_cpu(device) else C.GPU_FRAMEWORK_OVERHEAD_BYTES
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel import compute, memory
+from costmodel import calibrated, compute, memory
 from costmodel import constants as C
+from costmodel.calibration import Calibration
 from passes.blocks import Block
-from planner.spec import ClusterSpec
+from planner.spec import ClusterSpec, Link
 
 
 @dataclass(frozen=True)
@@ -51,36 +52,42 @@ class CostTables:
 
 def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, trace_batch: int,
                  precision_policy: str = "auto", memory_margin: float = C.DEFAULT_MEMORY_MARGIN,
-                 ) -> CostTables:
+                 calibration: Calibration | None = None) -> CostTables:
     """Cost every block on every node group's device type.
 
     Block op counts come from a trace at `trace_batch` samples; compute and activations are
-    divided by it to give per-sample figures.
+    divided by it to give per-sample figures. A `calibration` replaces datasheet figures for the
+    device type it measured (`costmodel.calibrated`).
     """
     classes = []
     for group in spec.nodes:
         dev = group.device
         prec = compute.best_precision(dev, precision_policy)
         byte_scale = C.BYTES_PER_ELEMENT[prec] / 4.0
-        fwd = tuple(compute.ops_time_s(b.ops, dev, prec, backward=False) / trace_batch for b in blocks)
-        bwd = tuple(compute.ops_time_s(b.ops, dev, prec, backward=True) / trace_batch for b in blocks)
-        over = tuple(compute.ops_overhead_s(b.ops, dev) for b in blocks)
+        fwd = tuple(compute.ops_time_s(b.ops, dev, prec, False, calibration) / trace_batch for b in blocks)
+        bwd = tuple(compute.ops_time_s(b.ops, dev, prec, True, calibration) / trace_batch for b in blocks)
+        over = tuple(compute.ops_overhead_s(b.ops, dev, calibration) for b in blocks)
+        if calibration is not None and calibration.matches(dev):
+            fwd, bwd, over = calibrated.scale_to_model_timing(blocks, fwd, bwd, over, dev, calibration)
         state = tuple(memory.state_bytes(b.param_bytes, prec) for b in blocks)
         act = tuple(b.activation_bytes * byte_scale / trace_batch for b in blocks)
         boundary = tuple(b.boundary_bytes * byte_scale / trace_batch for b in blocks)
-        opt = tuple(b.param_bytes * C.OPTIMIZER_BYTES_FACTOR
-                    / (dev.memory_bandwidth_bytes_s * C.MEMORY_EFFICIENCY) * dev.slowdown for b in blocks)
-        capacity = memory.usable_bytes(dev, memory_margin) - memory.framework_bytes(dev)
+        opt = tuple(compute.optimizer_step_s(b.param_bytes, len(b.params), dev, calibration) for b in blocks)
+        if calibration is not None and calibration.matches(dev):
+            opt = calibrated.with_step_costs(opt, blocks, global_batch, calibration)
+        capacity = memory.usable_bytes(dev, memory_margin) - memory.framework_bytes(dev, calibration)
+        intra = calibrated.intra_link(group.intra_link, dev, calibration)
         classes.append(ClassTable(
             name=group.name, device_type=dev.name, num_devices=group.count * group.per_node,
             per_node=group.per_node, num_nodes=group.count, precision=prec, capacity_bytes=capacity,
             fwd_s=fwd, bwd_s=bwd, overhead_s=over, state_bytes=state, act_bytes=act,
             boundary_bytes=boundary, optimizer_s=opt,
-            intra_bandwidth_bytes_s=group.intra_link.bandwidth_bytes_s,
-            intra_latency_s=group.intra_link.latency_s, price_per_hour=dev.price_per_hour))
+            intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,
+            intra_latency_s=intra.latency_s, price_per_hour=dev.price_per_hour))
+    inter: Link = calibrated.inter_link(spec, calibration)
     return CostTables(
         global_batch=global_batch, num_blocks=len(blocks), classes=tuple(classes),
         grad_bytes=tuple(b.param_bytes for b in blocks),
-        inter_bandwidth_bytes_s=spec.inter_node.bandwidth_bytes_s,
-        inter_latency_s=spec.inter_node.latency_s,
+        inter_bandwidth_bytes_s=inter.bandwidth_bytes_s,
+        inter_latency_s=inter.latency_s,
         block_signatures=tuple(b.signature for b in blocks))

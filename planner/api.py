@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from costmodel import compression, compute
+from costmodel.calibration import load_calibration
 from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
@@ -40,8 +42,11 @@ class PlanOptions:
     micro_batch: int | None = None     # force the micro-batch size
     memory_margin: float = 0.1
     schedule: str = "1f1b"
+    compression: str = "none"              # gradients: none | auto | fp16 | bf16 | powersgd | onebit
+    activation_compression: str = "none"   # pipeline links: none | auto | fp16 | bf16 | int8
     time_limit_s: float = 10.0         # solver work limit (CP-SAT deterministic seconds)
     max_blocks: int = 96
+    calibration: str | None = None     # `plan profile` file: measured figures replace datasheet ones
     names: dict[str, str] = field(default_factory=dict)
 
     def as_pairs(self) -> tuple[tuple[str, str], ...]:
@@ -76,15 +81,38 @@ def trace_model_file(model_file: frontend.ModelFile, trace_batch: int = DEFAULT_
     return gm, gm.meta[BLOCKS_KEY], meta_inputs
 
 
+def _check_compression(options: PlanOptions) -> None:
+    for value, known, flag in ((options.compression, compression.GRADIENT_POLICIES, "--compression"),
+                               (options.activation_compression, compression.ACTIVATION_POLICIES,
+                                "--activation-compression")):
+        if value not in known:
+            raise PlanningError(f"unknown compression `{value}`", field=flag,
+                                fix=f"use one of: {', '.join(known)}")
+
+
+def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block],
+                       spec: ClusterSpec) -> compression.CompressionTable:
+    """The compression policies and what the cost model needs for them (parameter shapes)."""
+    shapes = tuple((str(n.target), tuple(n.meta["val"].shape)) for n in gm.graph.nodes
+                   if n.op == "get_attr" and hasattr(n.meta.get("val"), "shape"))
+    return compression.CompressionTable(
+        gradient_policy=options.compression, activation_policy=options.activation_compression,
+        param_shapes=shapes, block_params=tuple(b.params for b in blocks),
+        kernel_bandwidth_bytes_s=tuple(compression.kernel_bandwidth_bytes_s(g.device) for g in spec.nodes),
+        kernel_launch_s=tuple(compute.op_overhead_s(g.device) for g in spec.nodes))
+
+
 def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOptions | None = None) -> PlanResult:
     """Plan training of the model in file `model` on `cluster`. Raises HetplanError subclasses."""
     options = options or PlanOptions()
     if options.global_batch < 1:
         raise PlanningError(f"global batch {options.global_batch} must be at least 1", field="--global-batch",
                             fix="pass a positive --global-batch")
+    _check_compression(options)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+    calibration = load_calibration(options.calibration) if options.calibration else None  # fail before tracing
     model_file = frontend.load_model_file(model, options.names)
     timings["load_s"] = time.perf_counter() - start
 
@@ -94,7 +122,9 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
 
     t0 = time.perf_counter()
     tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=DEFAULT_TRACE_BATCH,
-                          precision_policy=options.precision, memory_margin=options.memory_margin)
+                          precision_policy=options.precision, memory_margin=options.memory_margin,
+                          calibration=calibration)
+    tables = compression.with_compression(tables, _compression_table(options, gm, blocks, spec))
     timings["cost_s"] = time.perf_counter() - t0
 
     cluster_path = Path(spec.source_path) if spec.source_path else None

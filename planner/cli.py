@@ -3,6 +3,7 @@
     plan MODEL.py --cluster SPEC.yaml [-o OUT]     trace, cost, solve, verify, emit
     plan inspect OUT                               summary of a plan
     plan run OUT [--steps N --seed S --lr X]       run the emitted program locally (torchrun)
+    plan profile [--out FILE] [--model M] [--quick]  measure this machine; `plan --calibration FILE` uses it
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from planner.errors import HetplanError, PlanFileError
 
-SUBCOMMANDS = ("inspect", "run")
+SUBCOMMANDS = ("inspect", "run", "profile")
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None, help="force the micro-batch size")
     p.add_argument("--use-all-devices", action="store_true", help="every device must serve a stage")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--compression", default="none",
+                   choices=["none", "auto", "fp16", "bf16", "powersgd", "onebit"],
+                   help="gradient compression: none (exact), auto (the planner picks what pays per group), "
+                        "or force one method on every gradient group it applies to")
+    p.add_argument("--activation-compression", default="none",
+                   choices=["none", "auto", "fp16", "bf16", "int8"],
+                   help="compression of activations and their gradients on pipeline links")
     p.add_argument("--memory-margin", type=float, default=0.1, help="fraction of device memory kept free")
     p.add_argument("--time-limit", type=float, default=10.0,
                    help="solver work limit in CP-SAT deterministic seconds (reproducible, unlike wall time); "
@@ -42,6 +50,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-fn", default="batch")
     p.add_argument("--loss-fn", default="loss_fn")
     p.add_argument("--dump-ir", action="store_true", help="write the graph after each pass to OUT/ir/")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="calibration file from `plan profile`: measured figures replace the datasheet's")
     return p
 
 
@@ -74,7 +84,9 @@ def cmd_plan(argv: list[str]) -> int:
     options = PlanOptions(global_batch=args.global_batch, strategy=args.strategy, precision=args.precision,
                           stages=args.stages, memory_margin=args.memory_margin, schedule=args.schedule,
                           time_limit_s=args.time_limit, use_all_devices=args.use_all_devices,
-                          micro_batch=args.micro_batch,
+                          micro_batch=args.micro_batch, compression=args.compression,
+                          activation_compression=args.activation_compression,
+                          calibration=args.calibration,
                           names={k: v for k, v in names.items() if v != k})
     result = plan(args.model, args.cluster, options)
     text = summary(result.plan)
@@ -97,13 +109,23 @@ def _timings_json(timings: dict[str, float]) -> str:
 
 
 def cmd_inspect(argv: list[str]) -> int:
-    from backends.report.terminal import summary
+    from backends.report.terminal import memory_table, simulation_section, summary
     from planner.ir import Plan
+    from planner.spec import load_cluster
 
     p = argparse.ArgumentParser(prog="plan inspect", description="Show a plan.")
     p.add_argument("out", help="plan directory (or plan.json)")
+    p.add_argument("--cluster", default=None, help="cluster spec for the simulated Gantt chart "
+                   "(default: the one the plan was made for, if it is still there)")
     args = p.parse_args(argv)
-    print(summary(Plan.load(args.out)), end="")
+    plan = Plan.load(args.out)
+    print(summary(plan))
+    print(memory_table(plan) + "\n")
+    spec_path = args.cluster or plan.inputs.cluster_path
+    if spec_path and Path(spec_path).is_file():
+        print(simulation_section(plan, load_cluster(spec_path)))
+    else:
+        print(f"(no simulation: cluster spec {spec_path or '?'} not found; pass --cluster)")
     return 0
 
 
@@ -143,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] in SUBCOMMANDS:
-            return {"inspect": cmd_inspect, "run": cmd_run}[argv[0]](argv[1:])
+            from planner.profile_cmd import cmd_profile
+
+            return {"inspect": cmd_inspect, "run": cmd_run, "profile": cmd_profile}[argv[0]](argv[1:])
         return cmd_plan(argv)
     except HetplanError as exc:
         print(f"plan: error: {exc.one_line()}", file=sys.stderr)

@@ -20,9 +20,6 @@ SEEDS = range(64)
 MIN_FEASIBLE = 50
 NS_S = 1e-9          # both sides work in integer nanoseconds
 TOLERANCE = 0.01     # the ILP must be within 1% of the optimum
-# ilp._solve_regime's one-node regime bounds each shape's devices by the node, not the class's
-# total (see test_one_node_regime_bounds_each_shape_not_the_class); flip when the ILP does.
-ILP_ONE_NODE_PER_CLASS = False
 
 
 def instance(seed: int) -> CostTables:
@@ -51,7 +48,7 @@ def instance(seed: int) -> CostTables:
 def test_ilp_matches_exact_enumeration(seed):
     tabs = instance(seed)
     configs = ilp.build_configs(tabs)
-    exact = solve_exact(tabs, configs, one_node_per_class=ILP_ONE_NODE_PER_CLASS) if configs else None
+    exact = solve_exact(tabs, configs) if configs else None
     sol = ilp.solve(tabs, configs) if configs else None
     assert (exact is None) == (sol is None)
     if exact is None:
@@ -66,15 +63,9 @@ def test_enough_instances_are_feasible():
     assert feasible >= MIN_FEASIBLE
 
 
-# CP-SAT 9.15's presolve certifies a wrong optimum on these (adding `t_sync <= optimum` to the same
-# model finds the optimum; google/or-tools#5293). presolve_inclusion_work_limit=0 in
-# ilp._solve_regime fixes all of them (checked on 300 seeds).
-CP_SAT_WRONG_OPTIMUM_SEEDS = {0, 20}
-_WRONG_OPTIMUM = pytest.mark.xfail(reason="CP-SAT presolve bug, google/or-tools#5293", strict=False)
-
-
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=_WRONG_OPTIMUM) if s in CP_SAT_WRONG_OPTIMUM_SEEDS else s
-                                  for s in range(0, 64, 4)])
+# Seeds 0 and 20 caught CP-SAT 9.15's presolve certifying a wrong optimum (google/or-tools#5293);
+# ilp._solve_regime turns that presolve step off.
+@pytest.mark.parametrize("seed", range(0, 64, 4))
 def test_ilp_matches_exact_enumeration_with_all_devices(seed):
     tabs = instance(seed)
     configs = ilp.build_configs(tabs)
@@ -145,18 +136,18 @@ def test_enumeration_equals_literal_multisets(seed):
 ONE_NODE_OVERFLOW_SEED = 72    # an instance() whose one-node optimum overfills a node
 
 
-def test_one_node_regime_bounds_each_shape_not_the_class():
-    """Documents a gap in ilp._solve_regime: one-node sync is charged for layouts a node cannot hold."""
+def test_one_node_regime_fits_the_whole_class_in_one_node():
+    """Once charged intra-node sync for a layout no node could hold (seed 72); the bound is per class."""
     tabs = instance(ONE_NODE_OVERFLOW_SEED)
     configs = ilp.build_configs(tabs)
-    as_modelled = solve_exact(tabs, configs)
-    as_meant = solve_exact(tabs, configs, one_node_per_class=True)
-    assert as_modelled is not None and as_meant is not None
-    assert as_modelled.one_node
-    cls = as_modelled.choices[0].config.cls
-    devices = sum(c.replicas * c.config.num_stages for c in as_modelled.choices)
-    assert devices > tabs.classes[cls].per_node
-    assert as_meant.objective_s > as_modelled.objective_s
+    items = ilp.pareto_items(tabs, configs)
+    sol = ilp._solve_regime(tabs, configs, items, True, 10.0)
+    assert sol is not None
+    for ci, table in enumerate(tabs.classes):
+        devices = sum(c.replicas * c.config.num_stages for c in sol.choices if c.config.cls == ci)
+        assert devices <= table.per_node
+    assert ilp.solve(tabs, configs).objective_s == pytest.approx(solve_exact(tabs, configs).objective_s,
+                                                                 rel=TOLERANCE)
 
 
 def test_exact_strategy_plans_a_real_model_as_the_ilp_does():

@@ -53,3 +53,22 @@ def summary(plan: Plan) -> str:
     grads = _table(["group", "ranks", "params", "MiB", "compressor", "est"], groups) + more if groups else \
         "no gradient synchronisation (one replica)"
     return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n"
+
+
+def memory_table(plan: Plan) -> str:
+    """Estimated peak memory per rank against its device, fullest first."""
+    e = plan.estimates
+    order = sorted(range(plan.world_size), key=lambda r: -e.memory_bytes[r] / e.capacity_bytes[r])
+    rows = [[str(r), plan.devices[r], f"{e.memory_bytes[r] / GIB:.2f}", f"{e.capacity_bytes[r] / GIB:.1f}",
+             f"{e.memory_bytes[r] / e.capacity_bytes[r]:.0%}"] for r in order[:12]]
+    return _table(["rank", "device", "est GiB", "capacity GiB", "used"], rows)
+
+
+def simulation_section(plan: Plan, spec) -> str:
+    """The event simulation of one iteration: time, bubbles and a Gantt chart."""
+    from backends.sim import render_gantt, simulate_plan
+
+    sim = simulate_plan(plan, spec)
+    head = (f"simulated step {_time(sim.iteration_s)} (estimate {_time(plan.estimates.iteration_s)}), "
+            f"bubble {sim.bubble_fraction:.0%}")
+    return head + "\n" + render_gantt(sim)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from backends.torchdist import activations
 from planner.ir import Plan, ReplicaPlan, StagePlan
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -41,6 +42,11 @@ class Context:
         return self.replica.stages[stage].rank
 
 
+def uses_cuda(stage: StagePlan) -> bool:
+    """Whether the rank of `stage` runs on CUDA: a GPU is present and the plan's device is not a CPU."""
+    return torch.cuda.is_available() and not stage.device_type.upper().startswith("CPU")
+
+
 def init(plan: Plan) -> Context:
     """Join the process group (torchrun's environment) and create the gradient groups."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -49,7 +55,7 @@ def init(plan: Plan) -> Context:
                          f"launched with {world} (fix: use launch.sh or `plan run`)")
     rank = int(os.environ.get("RANK", "0"))
     replica, stage = plan.stage_of_rank(rank)
-    use_cuda = torch.cuda.is_available() and not stage.device_type.upper().startswith("CPU")
+    use_cuda = uses_cuda(stage)
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -72,26 +78,37 @@ def tag(micro: int, value_index: int, backward: bool, num_values: int) -> int:
 
 
 class P2P:
-    """Non-blocking sends (kept alive until `wait_sends`) and blocking receives."""
+    """Non-blocking sends (kept alive until `wait_sends`) and blocking receives.
+
+    Each value travels in the wire format of its edge's activation compressor
+    (backends.torchdist.activations); `bytes_sent` counts wire bytes.
+    """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
         self.bytes_sent = 0
 
-    def send(self, tensor: torch.Tensor, dst: int, message_tag: int) -> None:
-        buf = tensor.detach().contiguous()
+    def send(self, tensor: torch.Tensor, dst: int, message_tag: int, *, dtype: torch.dtype | None = None,
+             compressor: str = "none") -> None:
+        """Send `tensor` (traced dtype `dtype`, default its own) encoded by `compressor`."""
+        buf = activations.encode(compressor, tensor, dtype or tensor.dtype)
         self._pending.append((dist.isend(buf, dst, tag=message_tag), buf))
         self.bytes_sent += buf.numel() * buf.element_size()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, message_tag: int,
-             device: torch.device) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(buf, src, tag=message_tag).wait()
-        return buf
+             device: torch.device, *, compressor: str = "none") -> torch.Tensor:
+        """Receive a value of traced `shape` and `dtype` sent with the same `compressor`."""
+        fmt = activations.wire_format(compressor, shape, dtype)
+        buf = torch.empty(fmt.shape, dtype=fmt.dtype, device=device)
+        work = dist.irecv(buf, src, tag=message_tag)
+        if work is not None:      # None only for a rank outside the group
+            work.wait()
+        return activations.decode(compressor, buf, shape, dtype)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            if work is not None:
+                work.wait()
         self._pending.clear()
 
 

@@ -17,7 +17,10 @@ Launch on one machine with ./launch.sh (torchrun), or `plan run <plan dir>`. Ini
 `torch.manual_seed(seed); model()` on one process; step k trains on the rows of
 `batch({global_batch}, k)`, split across replicas in plan order by their shares; gradients are
 summed per gradient group (replicas, and stages that share a weight) so the update equals
-single-process training on the whole batch. Each step appends a JSON line to <out>/metrics.jsonl.
+single-process training on the whole batch. Groups sync with the plan's compressor (`none`: exact);
+pipeline edges send activations with theirs. Stages compute in the plan's precision on CUDA
+(bf16 / fp16 autocast, fp16 with loss scaling); CPU ranks stay fp32 unless --cpu-autocast.
+Each step appends a JSON line to <out>/metrics.jsonl.
 """
 
 import argparse
@@ -45,6 +48,8 @@ def parse_args() -> argparse.Namespace:
                    help="AdamW (default) or SGD with momentum 0.9")
     p.add_argument("--out", type=Path, default=HERE.parent / "run", help="metrics and final weights")
     p.add_argument("--save-final", action="store_true", help="write each rank's final parameters")
+    p.add_argument("--cpu-autocast", action="store_true",
+                   help="apply the plan's bf16/fp16 precision on CPU ranks too (default: fp32 on CPU)")
     return p.parse_args()
 
 
@@ -54,22 +59,27 @@ def main() -> None:
     ctx = comm.init(PLAN)                                   # rank -> (replica, stage, device)
     model_file = frontend.load_model_file(MODEL_FILE, NAMES)
     model = runtime.build_model(model_file, args.seed)      # same values as one process
-    stage = runtime.StageProgram(PLAN, ctx, model_file, model)
+    stage = runtime.StageProgram(PLAN, ctx, model_file, model, cpu_autocast=args.cpu_autocast)
     optimizer = runtime.make_optimizer(args.optimizer, stage.parameters(), args.lr)
     metrics = runtime.Metrics(args.out, ctx)
     for step in range(args.steps):
         start = time.perf_counter()
         stage.reset_counters()
         contribution = stage.train_step(step)               # schedule: forward/backward + p2p
-        stage.sync_gradients()                              # all-reduce per gradient group
-        optimizer.step()
+        stage.sync_gradients(optimizer)                     # per gradient group, its compressor
+        stage.optimizer_step(optimizer)                     # (skipped everywhere on fp16 overflow)
         optimizer.zero_grad(set_to_none=False)
         step_time_s = time.perf_counter() - start
         loss = torch.tensor([contribution], dtype=torch.float64)
         dist.all_reduce(loss)                               # mean over the global batch
         metrics.log(step=step, loss=float(loss), step_time_s=step_time_s,
                     peak_memory_bytes=runtime.peak_memory_bytes(ctx.device),
-                    p2p_bytes=stage.p2p.bytes_sent, grad_bytes=stage.grad_bytes_reduced)
+                    p2p_bytes=stage.p2p.bytes_sent, grad_bytes=stage.grad_bytes_reduced,
+                    grad_wire_bytes=stage.grad_sync.wire_bytes,
+                    grad_wire_bytes_by_group=stage.grad_sync.wire_bytes_by_group,
+                    compute_dtype=str(stage.compute_dtype).removeprefix("torch."),
+                    loss_scale=stage.scaler.scale if stage.scaler else None,
+                    skipped_step=stage.skipped_step)
     if args.save_final:
         stage.save_final(args.out)
     dist.barrier()

@@ -18,7 +18,9 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from backends.torchdist.comm import P2P, Context, allreduce_sum_, tag
+from backends.torchdist import precision
+from backends.torchdist.comm import P2P, Context, tag
+from backends.torchdist.gradsync import GradientSync
 from passes.split import StageSplit, split_stages
 from planner import frontend
 from planner import schedule as sched
@@ -52,22 +54,49 @@ def _slice_rows(value: Any, start: int, stop: int) -> Any:
     return value
 
 
-class StageProgram:
-    """This rank's stage: its graphs (one per micro-batch size), parameters and schedule."""
+def edge_compressors(plan: Plan, replica: int) -> dict[tuple[int, int], str]:
+    """(producer stage, consumer stage) -> activation compressor, for every pair of a replica.
 
-    def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, model: nn.Module) -> None:
+    The plan names the compressor of each adjacent edge; a value skipping stages travels with the
+    compressor of the edge leaving its producer. Sender and receiver look up the same pair.
+    """
+    edges = {(e.src_stage, e.dst_stage): e.compressor for e in plan.p2p if e.replica == replica}
+    stages = len(plan.replicas[replica].stages)
+    return {(a, b): edges.get((a, b), edges.get((a, a + 1), "none"))
+            for a in range(stages) for b in range(a + 1, stages)}
+
+
+class StageProgram:
+    """This rank's stage: its graphs (one per micro-batch size), parameters and schedule.
+
+    `cpu_autocast`: apply the plan's bf16/fp16 precision on CPU ranks too (see precision.py).
+    """
+
+    def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, model: nn.Module, *,
+                 cpu_autocast: bool = False) -> None:
         self.plan, self.ctx, self.model_file = plan, ctx, model_file
         self.model = model.to(ctx.device)
         self.last_nodes = [s.last_node for s in ctx.replica.stages]
         self._splits: dict[int, StageSplit] = {}
         self.p2p = P2P()
         self.params = {name: self.model.get_parameter(name) for name in ctx.stage.params}
-        self.grad_bytes_reduced = 0
+        self.compute_dtype = precision.stage_compute_dtype(ctx.stage, cpu_autocast)
+        self.scaler = (precision.LossScaler(ctx.device)
+                       if precision.needs_loss_scaling(plan, cpu_autocast) else None)
+        self.grad_sync = GradientSync(list(plan.grad_groups), ctx.grad_groups, self.params)
+        self.edges = edge_compressors(plan, ctx.replica.index)
+        self.skipped_step = False
+
+    @property
+    def grad_bytes_reduced(self) -> int:
+        """Gradient bytes (uncompressed) synchronised in the last step."""
+        return self.grad_sync.bytes_reduced
 
     def reset_counters(self) -> None:
         """Per-step byte counters (p2p sent, gradients reduced)."""
         self.p2p.bytes_sent = 0
-        self.grad_bytes_reduced = 0
+        self.grad_sync.bytes_reduced = 0
+        self.grad_sync.wire_bytes_by_group = {}
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params.values())
@@ -124,21 +153,24 @@ class StageProgram:
                 args.append(local[name])
                 continue
             t = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(info.producer),
-                              tag(j, value_index[name], False, len(value_index)), ctx.device)
+                              tag(j, value_index[name], False, len(value_index)), ctx.device,
+                              compressor=self.edges[info.producer, ctx.stage.index])
             if info.needs_grad:
                 t.requires_grad_(True)
             args.append(t)
             received.append((name, t))
-        if ctx.stage.recompute:   # keep only the stage inputs; rerun the forward during backward
-            outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
-        else:
-            outs = stage.module(*args)
+        with precision.autocast(self.compute_dtype, ctx.device):
+            if ctx.stage.recompute:   # keep only the stage inputs; rerun the forward during backward
+                outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+            else:
+                outs = stage.module(*args)
+            if ctx.is_last:
+                output = outs[0] if split.output_structure == "tensor" else outs
+                loss = self.model_file.loss_fn(output, mb_target) * (size / self.plan.global_batch)
         record: dict[str, Any] = {"received": received, "sent": []}
         contribution = 0.0
         if ctx.is_last:
-            output = outs[0] if split.output_structure == "tensor" else outs
-            loss = self.model_file.loss_fn(output, mb_target) * (size / self.plan.global_batch)
-            record["loss"] = loss
+            record["loss"] = self.scaler.scale_loss(loss) if self.scaler else loss
             contribution = float(loss.detach())
         else:
             for name, t in zip(stage.outputs, outs):
@@ -146,7 +178,8 @@ class StageProgram:
                 for consumer in info.consumers:
                     if consumer < ctx.num_stages:
                         self.p2p.send(t, ctx.rank_of_stage(consumer),
-                                      tag(j, value_index[name], False, len(value_index)))
+                                      tag(j, value_index[name], False, len(value_index)),
+                                      dtype=info.dtype, compressor=self.edges[ctx.stage.index, consumer])
                 record["sent"].append((name, t))
         record["split"] = split
         saved[j] = record
@@ -170,32 +203,44 @@ class StageProgram:
                     if consumer >= ctx.num_stages:
                         continue
                     g = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(consumer),
-                                      tag(j, value_index[name], True, len(value_index)), ctx.device)
+                                      tag(j, value_index[name], True, len(value_index)), ctx.device,
+                                      compressor=self.edges[ctx.stage.index, consumer])
                     total = g if total is None else total + g
                 if total is not None and t.requires_grad:
                     tensors.append(t)
-                    grads.append(total)
+                    grads.append(total.to(t.dtype))   # t may be half under autocast
             if tensors:
                 torch.autograd.backward(tensors, grads)
         for name, t in record["received"]:
             if not split.values[name].needs_grad:   # context (masks, positions): no gradient flows
                 continue
             grad = t.grad if t.grad is not None else torch.zeros_like(t)
-            self.p2p.send(grad, ctx.rank_of_stage(split.values[name].producer),
-                          tag(j, value_index[name], True, len(value_index)))
+            producer = split.values[name].producer
+            self.p2p.send(grad, ctx.rank_of_stage(producer), tag(j, value_index[name], True, len(value_index)),
+                          dtype=split.values[name].dtype, compressor=self.edges[producer, ctx.stage.index])
 
-    def sync_gradients(self) -> None:
-        """Sum each gradient group's gradients over its ranks (replicas, and stages sharing a weight)."""
-        for group in self.plan.grad_groups:
-            if group.index not in self.ctx.grad_groups:
-                continue
-            grads = []
-            for name in group.params:
-                p = self.params[name]
+    def sync_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Sum each gradient group's gradients over its ranks (replicas, and stages sharing a weight),
+        with the group's compressor. Under fp16 loss scaling (needs `optimizer`) gradients are
+        unscaled first, and on an overflow anywhere no rank syncs (the step is skipped everywhere)."""
+        self.skipped_step = False
+        if self.scaler is not None:
+            if optimizer is None:
+                raise ValueError("fp16 loss scaling needs the optimizer to unscale gradients")
+            for p in self.params.values():      # every rank takes part in the inf check
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            self.grad_bytes_reduced += allreduce_sum_(grads, self.ctx.grad_groups[group.index])
+            self.skipped_step = self.scaler.unscale_(optimizer)
+            if self.skipped_step:
+                return
+        self.grad_sync.sync()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step (through the loss scaler, which skips it after an overflow)."""
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+        else:
+            optimizer.step()
 
     def save_final(self, out_dir: Path) -> Path:
         path = out_dir / "final" / f"rank{self.ctx.rank}.pt"

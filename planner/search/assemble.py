@@ -3,11 +3,12 @@ stage records, point-to-point edges, gradient groups and estimates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from costmodel import memory
-from costmodel.network import ring_allreduce_s
+from costmodel import compression, compute, memory
+from costmodel import constants as C
 from costmodel.tables import CostTables
 from passes.blocks import Block
 from planner.errors import PlanningError
@@ -35,8 +36,7 @@ class _Replica:
 
     def time_s(self, share: int | None = None) -> float:
         share = self.share if share is None else share
-        micro = math.ceil(share / self.config.micro_batch)
-        return (micro + self.config.num_stages - 1) * self.config.split.max_stage_s + self.config.optimizer_s
+        return self.config.replica_time_s(math.ceil(share / self.config.micro_batch))
 
 
 def _allocate(spec: ClusterSpec, tables: CostTables, choices: tuple[Choice, ...]) -> list[_Replica]:
@@ -85,6 +85,22 @@ def _trim(replicas: list[_Replica], global_batch: int) -> None:
 def _micro_sizes(share: int, micro: int) -> tuple[int, ...]:
     full, rest = divmod(share, micro)
     return tuple([micro] * full + ([rest] if rest else []))
+
+
+def _with_activation_compressor(edge: P2PEdge, policy: str, replicas: list[ReplicaPlan],
+                                rank_device: dict[int, Device], spec: ClusterSpec) -> P2PEdge:
+    """`edge` with the fastest activation compressor `policy` allows for one micro-batch."""
+    if policy == "none":
+        return edge
+    replica = replicas[edge.replica]
+    src, dst = rank_device[edge.src_rank], rank_device[edge.dst_rank]
+    element_bytes = C.BYTES_PER_ELEMENT[replica.stages[edge.src_stage].precision]
+    nbytes = edge.bytes_per_sample * max(replica.micro_batch_sizes)
+    bandwidth = min(compression.kernel_bandwidth_bytes_s(d.type) for d in (src, dst))
+    launch = max(compute.op_overhead_s(d.type) for d in (src, dst))
+    cost = compression.choose_activation(policy, nbytes, element_bytes, spec.link_between(src, dst),
+                                         bandwidth, launch)
+    return dataclasses.replace(edge, compressor=cost.name)
 
 
 def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
@@ -141,20 +157,31 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
         replica_plans.append(ReplicaPlan(ri, table.name, tuple(stages), rep.share, micro_sizes, schedule,
                                          rep.time_s()))
 
-    rank_device = {st.rank: spec.devices()[st.device] for rp in replica_plans for st in rp.stages}
+    all_devices = spec.devices()
+    rank_device = {st.rank: all_devices[st.device] for rp in replica_plans for st in rp.stages}
     groups: dict[tuple[int, ...], list[str]] = {}
     for p, ranks in holders.items():
         if len(ranks) > 1:
             groups.setdefault(tuple(sorted(ranks)), []).append(p)
     param_bytes = {p: size for b in blocks for p, size in zip(b.params, b.param_sizes)}
+    policy = compression.compression_of(tables)
     grad_groups = []
     for gi, (ranks, params) in enumerate(sorted(groups.items())):
         nbytes = sum(param_bytes.get(p, 0.0) for p in params)
         nodes = {rank_device[r].node for r in ranks}
         link = spec.inter_node if len(nodes) > 1 else spec.link_between(rank_device[ranks[0]],
                                                                           rank_device[ranks[0]])
-        grad_groups.append(GradGroup(gi, ranks, tuple(params), nbytes, "none", "ring",
-                                     ring_allreduce_s(nbytes, len(ranks), link)))
+        # the compressor the policy allows that syncs fastest (as the search costed it); its state
+        # (error feedback, PowerSGD P/Q) adds to each member's memory
+        bandwidth = min(compression.kernel_bandwidth_bytes_s(rank_device[r].type) for r in ranks)
+        launch = max(compute.op_overhead_s(rank_device[r].type) for r in ranks)
+        cost = compression.choose_gradient(policy, params, nbytes, len(ranks), link, bandwidth, launch)
+        grad_groups.append(GradGroup(gi, ranks, tuple(params), nbytes, cost.name, cost.algorithm,
+                                     cost.time_s))
+        for r in ranks:
+            memory_by_rank[r] += cost.state_bytes
+    p2p = [_with_activation_compressor(edge, policy.activation_policy, replica_plans, rank_device, spec)
+           for edge in p2p]
 
     pipeline_s = max(r.estimated_s for r in replica_plans)
     iteration_s = pipeline_s + solution.sync_s

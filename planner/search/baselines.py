@@ -88,8 +88,7 @@ def pipelines_per_class(table: ClassTable, num_stages: int) -> int:
 
 
 def replica_time_s(config: ilp.Config, share: int) -> float:
-    micro = math.ceil(share / config.micro_batch)
-    return (micro + config.num_stages - 1) * config.split.max_stage_s + config.optimizer_s
+    return config.replica_time_s(math.ceil(share / config.micro_batch))
 
 
 def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTIC_STATUS) -> ilp.Solution:

@@ -75,9 +75,8 @@ def all_items(tables: CostTables, configs: list[ilp.Config], max_micro: int = MA
     B = tables.global_batch
     items = []
     for k, c in enumerate(configs):
-        stage_ns, opt_ns = to_ns(c.split.max_stage_s), to_ns(c.optimizer_s)
         for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
-            items.append(Item(k, M, (M + c.num_stages - 1) * stage_ns + opt_ns, min(M * c.micro_batch, B)))
+            items.append(Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B)))
     return items
 
 
@@ -139,23 +138,18 @@ def _capacity_by_level(items: list[Item], configs: list[ilp.Config], shapes: lis
     return cap, best, first_level
 
 
-def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, used: np.ndarray,
-                   per_class: bool) -> bool:
+def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, used: np.ndarray) -> bool:
+    """One class only, and all its replicas together within one node."""
     classes = {shapes[h][0] for h in used}
     if len(classes) > 1:
         return False
     per_node = tables.classes[next(iter(classes))].per_node
-    devices = [int(counts[h]) * shapes[h][1] for h in used]
-    return sum(devices) <= per_node if per_class else max(devices) <= per_node
+    return sum(int(counts[h]) * shapes[h][1] for h in used) <= per_node
 
 
 def solve_exact(tables: CostTables, configs: list[ilp.Config], use_all_devices: bool = False,
-                one_node_per_class: bool = False) -> ExactResult | None:
-    """The optimum of the ILP's model by enumeration; None when nothing covers the batch.
-
-    The ILP's one-node regime bounds each shape's devices by the node size separately, so two
-    shapes of one class together may exceed a node while syncing on the intra-node link;
-    `one_node_per_class` bounds the class's total instead (what the regime means)."""
+                ) -> ExactResult | None:
+    """The optimum of the ILP's model by enumeration; None when nothing covers the batch."""
     items = all_items(tables, configs)
     if not items:
         return None
@@ -196,7 +190,7 @@ def solve_exact(tables: CostTables, configs: list[ilp.Config], use_all_devices: 
             if R == 0:
                 continue
             used = np.nonzero(counts)[0]
-            if one_node and not _fits_one_node(tables, shapes, counts, used, one_node_per_class):
+            if one_node and not _fits_one_node(tables, shapes, counts, used):
                 continue
             examined += 1
             covered = counts @ cap >= B

@@ -7,7 +7,7 @@ split (planner.search.split). The model chooses n_k replicas of k with b_k sampl
     sum_k n_k * b_k >= B                       (every sample of the global batch is served)
     sum_{k in c} n_k * S_k <= devices(c)       (device counts)
     M_k * m_k >= b_k                           (micro-batches per replica)
-    T_pipe >= (M_k + S_k - 1) * t_k + opt_k    (1F1B/GPipe time with the slowest stage t_k)
+    T_pipe >= sum_s t_ks + (M_k - 1) * t_k + opt_k  (1F1B/GPipe; t_k the slowest stage)
     T_sync >= allreduce_k(R), R = sum_k n_k    (gradient synchronisation across replicas)
     minimise T_pipe + T_sync
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from costmodel.network import ring_allreduce_s
+from costmodel.compression import shape_sync_s
 from costmodel.tables import CostTables
 from planner.search.split import NS_PER_S, Split, solve_split
 from planner.spec import Link
@@ -39,6 +39,15 @@ class Config:
     split: Split
     optimizer_s: float
     intra_node: bool            # the whole pipeline sits inside one node
+
+    def replica_time_s(self, micro_batches: int) -> float:
+        """One replica's iteration with M micro-batches: every stage once (fill and drain), then
+        M - 1 more passes of the slowest stage (1F1B / GPipe steady state), then the optimizer."""
+        return (sum(self.split.stage_s) + (micro_batches - 1) * self.split.max_stage_s
+                + self.optimizer_s)
+
+    def replica_time_ns(self, micro_batches: int) -> int:
+        return _ns(self.replica_time_s(micro_batches))
 
 
 @dataclass(frozen=True)
@@ -130,10 +139,8 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     B = tables.global_batch
     by_shape: dict[tuple[int, int], list[_Item]] = {}
     for k, c in enumerate(configs):
-        stage_ns = _ns(c.split.max_stage_s)
         for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
-            item = _Item(k, M, (M + c.num_stages - 1) * stage_ns + _ns(c.optimizer_s),
-                         min(M * c.micro_batch, B))
+            item = _Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
             by_shape.setdefault((c.cls, c.num_stages), []).append(item)
     items: list[_Item] = []
     for key in sorted(by_shape):
@@ -213,12 +220,18 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         table = tables.classes[ci]
         grad = max(max(configs[items[i].config].split.stage_grad_bytes) for i in members)
         link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
-        at = [_ns(ring_allreduce_s(grad, g, link)) for g in grid]
+        heaviest = []      # per candidate split: the blocks of its stage with the most gradient bytes
+        for split in dict.fromkeys(configs[items[i].config].split for i in members):
+            top = max(range(split.num_stages), key=split.stage_grad_bytes.__getitem__)
+            heaviest.append(range(split.bounds[top], split.bounds[top + 1]))
+        # ring all-reduce of `grad`, or the best compressor the policy allows (costmodel.compression)
+        at = [_ns(t) for t in shape_sync_s(tables, ci, heaviest, grad, grid, link)]
         model.Add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
                   ).OnlyEnforceIf(shape_used)
-        if one_node:
-            model.Add(sum(n[i] for i in members) * S <= table.per_node)
     if one_node:
+        for ci, table in enumerate(tables.classes):   # all replicas of the class fit in one node
+            model.Add(sum(n[i] * configs[it.config].num_stages for i, it in enumerate(items)
+                          if configs[it.config].cls == ci) <= table.per_node)
         any_used = []
         for ci, flags in class_used.items():
             if flags:
@@ -235,6 +248,9 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     solver.parameters.linearization_level = 2
     # deterministic work units, not wall time: the same inputs give the same plan on any machine
     solver.parameters.max_deterministic_time = time_limit_s
+    # CP-SAT 9.15's inclusion presolve can cut optimal solutions of this model and still report
+    # OPTIMAL (seen on all-devices instances, cf. or-tools#5293); the exact enumerator caught it
+    solver.parameters.presolve_inclusion_work_limit = 0
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

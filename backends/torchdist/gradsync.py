@@ -1,0 +1,127 @@
+"""Gradient synchronisation of the emitted program: one plan gradient group at a time, with the
+group's compressor, summing over the group's ranks.
+
+Losses are pre-weighted by rows / global batch, so the update needs the SUM of a parameter's
+gradients over its holders (replicas, and stages sharing a tied weight):
+
+  none        one flat fp32 SUM all-reduce per group (comm.allreduce_sum_): bit-exact, as before
+  compressed  the group's gradients in buckets (costmodel.compression.bucket_ranges), each averaged
+              by the group's compressor (backends.compression: fp16 / bf16 / PowerSGD / 1-bit), then
+              multiplied by the group size: mean x k = sum
+
+Each group has its own compressor, created once, so its state (error feedback, PowerSGD's P/Q and
+iteration count) persists across steps; buckets are keyed by their index within the group.
+Wire bytes are measured, not computed: a CollectiveTap around the `none` all-reduce, the
+compressors' own counters otherwise (payload this rank hands to collectives, see
+backends.compression.wire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from backends.compression import CollectiveTap, FlatBucket, GradientCompressor, make_compressor
+from backends.torchdist.comm import allreduce_sum_
+from costmodel import compression as costs
+from planner.ir import GradGroup
+
+
+def compressor_options(name: str) -> dict[str, Any]:
+    """Constructor options of compressor `name`: the values the cost model assumes."""
+    if name == "powersgd":
+        return {"rank": costs.POWERSGD_RANK, "start_iter": costs.POWERSGD_START_ITER,
+                "min_compression_rate": costs.POWERSGD_MIN_COMPRESSION_RATE}
+    return {}
+
+
+@dataclass
+class _Group:
+    plan: GradGroup
+    process_group: dist.ProcessGroup | None
+    params: list[nn.Parameter]
+    compressor: GradientCompressor | None            # None: the exact `none` path
+    buckets: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.plan.ranks)
+
+
+class GradientSync:
+    """This rank's gradient groups and their compressors; `sync()` once per step."""
+
+    def __init__(self, groups: list[GradGroup], process_groups: Mapping[int, dist.ProcessGroup | None],
+                 params: Mapping[str, nn.Parameter]) -> None:
+        self.groups: list[_Group] = []
+        for group in groups:
+            if group.index not in process_groups:
+                continue
+            pg = process_groups[group.index]
+            members = [params[name] for name in group.params]
+            compressor = None
+            if group.compressor != "none":
+                compressor = make_compressor(group.compressor, pg, **compressor_options(group.compressor))
+            buckets = costs.bucket_ranges([p.numel() for p in members],
+                                          costs.GRAD_BUCKET_CAP_BYTES // costs.FP32_BYTES)
+            self.groups.append(_Group(group, pg, members, compressor, buckets))
+        self.bytes_reduced = 0
+        self.wire_bytes_by_group: dict[int, int] = {}
+
+    @property
+    def wire_bytes(self) -> int:
+        """Measured payload bytes this rank handed to gradient collectives in the last `sync`."""
+        return sum(self.wire_bytes_by_group.values())
+
+    def sync(self) -> None:
+        """Replace every held gradient by its sum over the group (compressed where the plan says)."""
+        self.bytes_reduced = 0
+        self.wire_bytes_by_group = {}
+        for group in self.groups:
+            grads = []
+            for p in group.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            if group.compressor is None:
+                with CollectiveTap() as tap:
+                    self.bytes_reduced += allreduce_sum_(grads, group.process_group)
+                wire = tap.total_bytes
+            else:
+                wire = self._sync_compressed(group, grads)
+                self.bytes_reduced += sum(g.numel() * g.element_size() for g in grads)
+            self.wire_bytes_by_group[group.plan.index] = wire
+
+    @staticmethod
+    def _sync_compressed(group: _Group, grads: list[torch.Tensor]) -> int:
+        assert group.compressor is not None
+        wire = 0
+        for index, (start, stop) in enumerate(group.buckets):
+            tensors = grads[start:stop]
+            flat = torch.cat([g.reshape(-1).to(torch.float32) for g in tensors])
+            # 0-d gradients travel as [1]: PowerSGD views every gradient as [shape[0], -1]
+            shapes = [tuple(g.shape) or (1,) for g in tensors]
+            bucket = FlatBucket(flat, shapes, index=index, is_last=index == len(group.buckets) - 1)
+            reduced = group.compressor.allreduce_mean_(bucket)
+            wire += group.compressor.last_wire_bytes
+            reduced.mul_(group.size)                  # mean over the group -> sum
+            offset = 0
+            for g in tensors:
+                n = g.numel()
+                g.copy_(reduced[offset:offset + n].view_as(g))
+                offset += n
+        return wire
+
+
+def group_payload_bytes(group: GradGroup, shapes: Mapping[str, tuple[int, ...]]) -> float:
+    """The cost model's payload per rank per step for `group` with its compressor (steady state).
+
+    `shapes` maps parameter names to shapes (e.g. from the model); the figure `sync` measures.
+    """
+    volume = costs.GradVolume(group.nbytes, tuple(tuple(shapes[p]) or (1,) for p in group.params))
+    return costs.compress_volume(group.compressor, volume).payload_bytes if len(group.ranks) > 1 else 0.0

@@ -1,0 +1,235 @@
+"""`plan profile`: measure this machine's device and write a calibration file.
+
+Runs `max(concurrency, 2)` worker processes of this module on gloo (a free local port, a short
+collective timeout); the first `concurrency` of them run every compute benchmark at the same time,
+so the figures describe one rank of a job with that many processes sharing the host (the emitted
+program on CPU runs one single-threaded process per device). Pairs of workers then measure
+point-to-point and all-reduce. The parent fits the medians over workers and writes the JSON that
+`costmodel.calibration.load_calibration` reads. Children are reaped on success, failure or timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from costmodel.calibration import DENSE_CLASSES, SCHEMA_VERSION, CalibrationError, parse_calibration, to_json
+
+# Whole-run limits (start-up of the workers included: importing torch takes a few seconds each).
+QUICK_TIMEOUT_S = 60.0
+FULL_TIMEOUT_S = 600.0
+QUICK_REPEATS = 5
+FULL_REPEATS = 15
+# Micro-batch sizes at which a given model is timed (slope = per sample, intercept = per micro-batch).
+MODEL_MICRO_BATCHES = (1, 8)
+METHOD = ("chains of 8 identical aten ops per class and size, median over repeats, forward with autograd "
+          "recording and forward+one backward call; fits time = overhead + work/rate weighted by 1/time; "
+          "work as counted by costmodel.ops.OpCounter; medians over the concurrent workers")
+
+
+def free_port() -> int:
+    """A TCP port free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", device_name: str | None = None,
+            models: tuple[str, ...] = (), timeout_s: float | None = None) -> dict[str, Any]:
+    """Measure and fit; returns the calibration document (validated by `parse_calibration`)."""
+    world = max(concurrency, 2)
+    limit_s = timeout_s or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as tmp:
+        port = free_port()
+        procs = []
+        for rank in range(world):
+            cmd = [sys.executable, "-m", "costmodel.calibrate_worker", "--rank", str(rank), "--world", str(world),
+                   "--port", str(port), "--dir", tmp, "--concurrency", str(concurrency), "--device", device]
+            cmd += ["--quick"] if quick else []
+            for m in models:
+                cmd += ["--model", str(Path(m).resolve())]
+            log = open(Path(tmp) / f"worker{rank}.log", "w")  # noqa: SIM115 (closed after the wait)
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                           cwd=Path(__file__).resolve().parents[1],
+                                           env={**os.environ, "OMP_NUM_THREADS": "1"}), log))
+        _wait_all(procs, limit_s, tmp)
+        results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+    doc = _document(results, concurrency, device, device_name)
+    parse_calibration(doc, "<measured>")   # what we write must read back
+    return doc
+
+
+def _wait_all(procs: list[tuple[subprocess.Popen[bytes], Any]], limit_s: float, tmp: str) -> None:
+    deadline = time.monotonic() + limit_s
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        raise CalibrationError(f"profiling workers did not finish within {limit_s:.0f} s", field="workers",
+                               fix="retry on a quieter machine, or pass a longer --timeout") from None
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:       # our own child's session: kill it and its children, then reap
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+    failed = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        rank, code = failed[0]
+        tail = (Path(tmp) / f"worker{rank}.log").read_text().strip().splitlines()[-1:] or ["no output"]
+        raise CalibrationError(f"profiling worker {rank} exited with {code}: {tail[0][:200]}", field="workers",
+                               fix="see the message; `plan profile --quick` checks the set-up quickly")
+
+
+# ---- fitting ----------------------------------------------------------------------------------------
+def fit_nonneg(columns: list[list[float]], ys: list[float]) -> list[float]:
+    """Non-negative coefficients c of y = sum_i c_i * columns[i], least squares on relative error
+    (weights 1/y, so microsecond and millisecond points count alike). A coefficient the unconstrained
+    fit makes negative is fixed at zero and the rest refitted (an active-set pass; enough for the
+    two or three columns used here)."""
+    import numpy as np
+
+    y = np.asarray(ys, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-12)
+    a = np.stack([np.asarray(c, dtype=float) * w for c in columns], axis=1)
+    active = list(range(len(columns)))
+    coef = np.zeros(len(columns))
+    while active:
+        sub = np.linalg.lstsq(a[:, active], y * w, rcond=None)[0]
+        if (sub >= 0).all():
+            coef[active] = sub
+            break
+        active.pop(int(np.argmin(sub)))
+    return [float(c) for c in coef]
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept >= 0, slope > 0) of y = a + b x (see `fit_nonneg`); a zero slope falls back to the
+    best observed marginal rate, so a rate is always finite."""
+    a, b = fit_nonneg([[1.0] * len(xs), list(xs)], list(ys))
+    if b <= 0:
+        b = min(max(y - a, 1e-12) / max(x, 1e-30) for x, y in zip(xs, ys, strict=True))
+    return a, b
+
+
+def _ring_fit(points: list[dict[str, float]]) -> dict[str, float]:
+    """Latency and bandwidth of the ring model 2(n-1) * latency + 2(n-1)/n * bytes / bandwidth, fitted
+    to all-reduces measured over n processes."""
+    hops = [2 * (p["processes"] - 1) for p in points]
+    volume = [2 * (p["processes"] - 1) / p["processes"] * p["bytes"] for p in points]
+    latency, per_byte = fit_nonneg([hops, volume], [p["time_s"] for p in points])
+    if per_byte <= 0:
+        per_byte = min(p["time_s"] / v for p, v in zip(points, volume, strict=True))
+    return {"latency_s": latency, "bandwidth_bytes_per_s": 1.0 / per_byte}
+
+
+def _op_class_fit(points: list[dict[str, Any]], op_class: str) -> dict[str, float]:
+    if op_class == "view":
+        return {"fwd_overhead_s": median(p["fwd_s"] for p in points),
+                "bwd_overhead_s": median(p["bwd_s"] for p in points)}
+    unit, fwd_key, bwd_key = ("flop", "fwd_flops", "bwd_flops") if op_class in DENSE_CLASSES else \
+        ("byte", "fwd_bytes", "bwd_bytes")
+    fa, fb = fit_line([p[fwd_key] for p in points], [p["fwd_s"] for p in points])
+    ba, bb = fit_line([p[bwd_key] for p in points], [p["bwd_s"] for p in points])
+    return {"fwd_overhead_s": fa, "bwd_overhead_s": ba, f"fwd_{unit}_per_s": 1.0 / fb,
+            f"bwd_{unit}_per_s": 1.0 / bb}
+
+
+def _alpha_beta(points: list[dict[str, float]]) -> dict[str, float]:
+    a, b = fit_line([p["bytes"] for p in points], [p["time_s"] for p in points])
+    return {"latency_s": a, "bandwidth_bytes_per_s": 1.0 / b}
+
+
+def _medians(per_rank: list[list[dict[str, Any]]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Point-wise medians over ranks of the measured `keys` (other fields from the first rank)."""
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        merged = dict(first)
+        for key in keys:
+            merged[key] = median(r[i][key] for r in per_rank)
+        out.append(merged)
+    return out
+
+
+def _optimizer_fit(points: list[dict[str, float]]) -> dict[str, float]:
+    """time = per_step_s + tensors * per_tensor_s + param_bytes / rate, all terms non-negative."""
+    per_step, per_tensor, per_byte = fit_nonneg(
+        [[1.0] * len(points), [p["tensors"] for p in points], [p["param_bytes"] for p in points]],
+        [p["time_s"] for p in points])
+    if per_byte <= 0:
+        per_byte = min(p["time_s"] / p["param_bytes"] for p in points)
+    return {"per_step_s": per_step, "per_tensor_s": per_tensor, "param_bytes_per_s": 1.0 / per_byte,
+            "what": "per step: the program's gradient-sync bookkeeping (no transfer), AdamW step, zero_grad"}
+
+
+def _document(results: list[dict[str, Any]], concurrency: int, device: str,
+              device_name: str | None) -> dict[str, Any]:
+    computing = results[:concurrency]
+    compute: dict[str, dict[str, Any]] = {}
+    samples: dict[str, Any] = {"compute": {}}
+    for precision in computing[0]["compute"]:
+        points = _medians([r["compute"][precision] for r in computing], ("fwd_s", "bwd_s"))
+        samples["compute"][precision] = points
+        classes = sorted({p["op_class"] for p in points})
+        compute[precision] = {c: _op_class_fit([p for p in points if p["op_class"] == c], c) for c in classes}
+    optimizer = _medians([r["optimizer"] for r in computing], ("time_s",))
+    pairs = [r for r in results if r["comm"]["p2p"]]
+    comm = {kind: _medians([r["comm"][kind] for r in pairs], ("time_s",)) for kind in ("p2p", "allreduce_2")}
+    # the ring link comes from the all-reduce over all workers when there are more than two (the job's
+    # data-parallel group on this host; gloo's per-hop cost grows with oversubscription), else the pair's
+    ring_points = [{**p, "processes": 2.0} for p in comm["allreduce_2"]]
+    if "allreduce_world" in results[0]["comm"]:
+        comm["allreduce_world"] = _medians([r["comm"]["allreduce_world"] for r in results], ("time_s",))
+        ring_points = comm["allreduce_world"]
+    samples.update(optimizer=optimizer, comm=comm)
+    first = results[0]
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "device": {"name": device_name or first["device_name"], "description": first["description"],
+                   "kind": device, "concurrent_processes": concurrency,
+                   "threads_per_process": first["threads_per_process"]},
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": platform.node() or "unknown", "cpu_cores": os.cpu_count() or 1,
+        "torch_version": first["torch_version"], "method": METHOD,
+        "compute": compute, "optimizer": _optimizer_fit(optimizer),
+        "comm": {"backend": "gloo", "processes": len(results), "p2p": _alpha_beta(comm["p2p"]),
+                 "allreduce_2": _alpha_beta(comm["allreduce_2"]), "allreduce_ring": _ring_fit(ring_points)},
+        "memory": {"torch_process_group_bytes": median(r["torch_process_group_bytes"] for r in results),
+                   "framework_bytes": median(r["framework_bytes"] for r in results),
+                   "method": "VmHWM of a worker after import torch + gloo init_process_group, then after "
+                             "importing the emitted program's runtime and tracing a small model"},
+        "samples": samples,
+    }
+    if computing[0]["models"]:
+        doc["models"] = {}
+        for i, measured in enumerate(computing[0]["models"]):
+            points = _medians([r["models"][i]["points"] for r in computing], ("fwd_s", "bwd_s"))
+            sizes = [p["micro_batch"] for p in points]
+            fwd = fit_line(sizes, [p["fwd_s"] for p in points])
+            bwd = fit_line(sizes, [p["bwd_s"] for p in points])
+            batches = _medians([r["models"][i]["batches"] for r in computing], ("time_s",))
+            data = fit_line([b["rows"] for b in batches], [b["time_s"] for b in batches])
+            doc["models"][measured["key"]] = {
+                "path": measured["path"], "micro_batches": sizes, "fwd_s_per_sample": fwd[1],
+                "fwd_s_per_micro_batch": fwd[0], "bwd_s_per_sample": bwd[1], "bwd_s_per_micro_batch": bwd[0],
+                "batch_s_per_sample": data[1], "batch_s_per_call": data[0]}
+    return doc
+
+
+def write_calibration(doc: dict[str, Any], out: Path) -> None:
+    """Write atomically (a temporary sibling, then rename)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(to_json(doc))
+    os.replace(tmp, out)

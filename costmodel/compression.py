@@ -1,0 +1,389 @@
+"""Compression costs: what each gradient or activation compressor puts on the wire, how long its
+kernels take, what state it keeps, and which one a policy picks.
+
+Gradient compressors (backends.compression), one per gradient group, over the group's R ranks, on
+fp32 gradients cut into buckets of at most GRAD_BUCKET_CAP_BYTES (`none` is one flat all-reduce):
+
+  name       payload per rank per bucket (bytes)  collectives         kernel bytes / elem  state (bytes)
+  none       4 n                                  ring all-reduce     0                    0
+  fp16/bf16  2 n                                  ring all-reduce     16                   0
+  powersgd   4 (u + sum_i (n_i + m_i) r_i)        3 ring all-reduces  44                   4 (n + P + Q)
+  onebit     ceil(n / 8) + 4                      ring all-gather     56 + (R + 3) / 8     8 n
+
+(P + Q = sum_i (n_i + m_i) r_i: PowerSGD's low-rank factors, kept for warm start.)
+"Payload" is what a rank hands to its collectives, the figure `GradientCompressor.last_wire_bytes`
+measures; link time applies the algorithm's factor (ring all-reduce 2(R-1)/R of the payload, ring
+all-gather (R-1) x the payload, since every rank receives every other rank's bytes). PowerSGD
+compresses each gradient viewed as the matrix [shape[0], -1] (n_i x m_i) with rank
+r_i = min(n_i, m_i, POWERSGD_RANK) when (n_i + m_i) r_i x POWERSGD_MIN_COMPRESSION_RATE < n_i m_i
+(torch's `_should_compress`); the rest (u elements: vectors, small matrices) travels uncompressed.
+Its figure is the steady state after POWERSGD_START_ITER vanilla steps. Parameters of unknown
+shape are costed as vectors (PowerSGD leaves them uncompressed), the documented approximation.
+
+Kernel time = bytes the compressor's kernels read and write / achieved memory bandwidth (counted
+pass by pass in the `_*_BYTES` constants) + its kernel launches x the device's per-op overhead
+(costmodel.compute.op_overhead_s), so small messages are not worth compressing; `none` is the
+reference (every method shares the flattening into buckets). State: error feedback is one fp32
+copy of the gradient per error buffer.
+
+Activation compressors on pipeline links (backends.torchdist.activations): `fp16`/`bf16` casts
+(only where activations are wider than 2 bytes) and block-wise `int8` (one fp32 scale per
+INT8_BLOCK_ELEMS elements); both the forward activations and the backward gradients are sent
+compressed.
+
+The search sees these figures as part of the costed problem: `CompressedCostTables` extends
+`costmodel.tables.CostTables` with a `CompressionTable` (policies, parameter shapes per block,
+kernel bandwidth per device class).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
+
+from costmodel import constants as C
+from costmodel.network import ring_allreduce_s
+from costmodel.tables import CostTables
+from planner.spec import DeviceType, Link
+
+Shape = tuple[int, ...]
+
+GRADIENT_COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "onebit")
+ACTIVATION_COMPRESSORS = ("none", "fp16", "bf16", "int8")
+AUTO = "auto"
+GRADIENT_POLICIES = (GRADIENT_COMPRESSORS[0], AUTO, *GRADIENT_COMPRESSORS[1:])
+ACTIVATION_POLICIES = (ACTIVATION_COMPRESSORS[0], AUTO, *ACTIVATION_COMPRESSORS[1:])
+
+FP32_BYTES = 4
+HALF_BYTES = 2
+INT8_BYTES = 1
+SCALE_BYTES = 4                      # one float32 scale (1-bit: per bucket; int8: per block)
+BITS_PER_BYTE = 8
+
+GRAD_BUCKET_CAP_BYTES = 25 * 2**20
+"""Gradient bucket size: torch DDP's default `bucket_cap_mb=25`."""
+POWERSGD_RANK = 4
+"""PowerSGD matrix approximation rank. Vogels et al., "PowerSGD" (NeurIPS 2019), reach the accuracy
+of uncompressed SGD with rank 2-4 on ResNet/LSTM; with rank 4 the bundled GPT ends 200 steps within
+4% of the uncompressed loss under AdamW and SGD (benchmarks/convergence.py)."""
+POWERSGD_MIN_COMPRESSION_RATE = 2.0
+"""Compress a matrix only if it shrinks at least this much: torch `PowerSGDState` default."""
+POWERSGD_START_ITER = 2
+"""Vanilla all-reduce steps before PowerSGD starts (torch requires > 1 with error feedback and
+warm start); the cost model gives the steady state after them."""
+INT8_BLOCK_ELEMS = 256
+"""Elements per int8 quantisation block of activations (one float32 scale each): 1.6% overhead."""
+
+# Kernel bytes read + written per gradient element, pass by pass (backends.compression):
+_CAST_BYTES = (4 + 2) + (2 + 2) + (2 + 4)     # cast to half, divide in place, cast back
+_POWERSGD_BYTES = (12 + 8                      # add error feedback (r, r, w), clone for the error
+                   + 4 + 4 + 4                 # M Q, M^T P (reads of M), P Q^T written into M
+                   + 12)                       # new error = copy - approximation
+_ONEBIT_BYTES = (12 + 8 + 4                    # worker: add error, sign pack (+ error), unpack out
+                 + 12 + 8 + 4                  # server: the same on the average
+                 + 8)                          # copy the result into the bucket
+_ACTIVATION_KERNEL_BYTES = {"none": 0, "fp16": (4 + 2) + (2 + 4), "bf16": (4 + 2) + (2 + 4),
+                            "int8": (4 + 1) + (1 + 4)}   # encode on the sender + decode on the receiver
+# Kernel launches (ops) per bucket, counted in backends.compression / backends.torchdist.activations:
+_CAST_LAUNCHES = 3                  # cast, divide, cast back
+_POWERSGD_BUCKET_LAUNCHES = 6       # add error, clone, cat uncompressed, copy back, new error, divide
+_POWERSGD_MATRIX_LAUNCHES = 5       # per compressed matrix: M Q, orthogonalise, M^T P, P Q^T, divide
+_ONEBIT_LAUNCHES = 10               # worker and server: add + norm, sqrt, pack, unpack; cat, copy
+_ACTIVATION_LAUNCHES = {"none": 0, "fp16": 2, "bf16": 2, "int8": 4}   # sender + receiver
+
+
+def gradient_options(policy: str) -> tuple[str, ...]:
+    """Compressors a gradient policy allows: `auto` all of them, a name only itself."""
+    if policy == AUTO:
+        return GRADIENT_COMPRESSORS
+    if policy in GRADIENT_COMPRESSORS:
+        return (policy,)
+    raise ValueError(f"unknown gradient compression {policy!r}; known: {', '.join(GRADIENT_POLICIES)}")
+
+
+def activation_options(policy: str) -> tuple[str, ...]:
+    """Compressors an activation policy allows: `auto` all of them, a name only itself."""
+    if policy == AUTO:
+        return ACTIVATION_COMPRESSORS
+    if policy in ACTIVATION_COMPRESSORS:
+        return (policy,)
+    raise ValueError(f"unknown activation compression {policy!r}; known: {', '.join(ACTIVATION_POLICIES)}")
+
+
+def kernel_bandwidth_bytes_s(device: DeviceType) -> float:
+    """Achieved memory bandwidth of compression kernels on a device (streaming kernels)."""
+    return device.memory_bandwidth_bytes_s * C.MEMORY_EFFICIENCY
+
+
+# ----------------------------------------------------------------------------- gradients
+
+def bucket_ranges(numels: Sequence[int], cap_elems: int) -> list[tuple[int, int]]:
+    """Cut parameters (in order) into buckets of at most `cap_elems` elements ([start, stop) indices).
+
+    A parameter larger than the cap gets a bucket of its own. The runtime buckets the same way.
+    """
+    ranges: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, numel in enumerate(numels):
+        if i > start and size + numel > cap_elems:
+            ranges.append((start, i))
+            start, size = i, 0
+        size += numel
+    if numels:
+        ranges.append((start, len(numels)))
+    return ranges
+
+
+def powersgd_elements(shape: Shape, rank: int = POWERSGD_RANK,
+                      min_rate: float = POWERSGD_MIN_COMPRESSION_RATE) -> tuple[int, int, int]:
+    """(uncompressed, P, Q) elements PowerSGD all-reduces for one gradient of `shape`."""
+    numel = math.prod(shape)
+    rows = shape[0] if shape else 1
+    cols = numel // rows if rows else 0
+    r = min(rows, cols, rank)
+    if (rows + cols) * r * min_rate < numel:
+        return 0, rows * r, cols * r
+    return numel, 0, 0
+
+
+@dataclass(frozen=True)
+class GradVolume:
+    """Gradients one rank synchronises: fp32 bytes (as the tables count them) and parameter shapes."""
+
+    nbytes: float
+    shapes: tuple[Shape, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+@dataclass(frozen=True)
+class CompressedVolume:
+    """What one compressor makes of one volume, before the group size is known."""
+
+    name: str
+    collectives_bytes: tuple[float, ...]   # payload per collective call per rank
+    algorithm: str                         # "ring" (all-reduce) | "allgather"
+    kernel_bytes: float                    # read + written by its kernels, fixed part
+    kernel_bytes_per_rank: float           # ... and the part that grows with the group (1-bit unpack)
+    state_bytes: float                     # persistent buffers (error feedback, P/Q)
+    kernel_launches: int = 0
+
+    @property
+    def payload_bytes(self) -> float:
+        return sum(self.collectives_bytes)
+
+
+@dataclass(frozen=True)
+class GradientCost:
+    """One compressor on one gradient group: payload, link time, kernel time, state."""
+
+    name: str
+    algorithm: str
+    payload_bytes: float      # per rank per step, into collectives (what the counters measure)
+    comm_s: float
+    kernel_s: float
+    state_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        return self.comm_s + self.kernel_s
+
+
+def compress_volume(name: str, volume: GradVolume) -> CompressedVolume:
+    """The payload, kernel traffic and state of compressor `name` on `volume` (see module table)."""
+    if name == "none":
+        return CompressedVolume(name, (volume.nbytes,), "ring", 0.0, 0.0, 0.0)
+    numels = [math.prod(s) for s in volume.shapes]
+    buckets = bucket_ranges(numels, GRAD_BUCKET_CAP_BYTES // FP32_BYTES)
+    n = float(sum(numels))
+    if name in ("fp16", "bf16"):
+        payloads = tuple(float(sum(numels[a:b]) * HALF_BYTES) for a, b in buckets)
+        return CompressedVolume(name, payloads, "ring", _CAST_BYTES * n, 0.0, 0.0,
+                                _CAST_LAUNCHES * len(buckets))
+    if name == "powersgd":
+        payloads_list: list[float] = []
+        pq_elems, launches = 0, 0
+        for a, b in buckets:
+            parts = [powersgd_elements(s) for s in volume.shapes[a:b]]
+            for column in range(3):   # uncompressed, P, Q: one all-reduce each
+                elems = sum(p[column] for p in parts)
+                if elems:
+                    payloads_list.append(float(elems * FP32_BYTES))
+            pq_elems += sum(p[1] + p[2] for p in parts)
+            launches += _POWERSGD_BUCKET_LAUNCHES + _POWERSGD_MATRIX_LAUNCHES * sum(p[0] == 0 for p in parts)
+        return CompressedVolume(name, tuple(payloads_list), "ring", _POWERSGD_BYTES * n, 0.0,
+                                (n + pq_elems) * FP32_BYTES, launches)
+    if name == "onebit":
+        payloads = tuple(float(math.ceil(sum(numels[a:b]) / BITS_PER_BYTE) + SCALE_BYTES)
+                         for a, b in buckets)
+        return CompressedVolume(name, payloads, "allgather", (_ONEBIT_BYTES + 3 / BITS_PER_BYTE) * n,
+                                n / BITS_PER_BYTE, 2 * n * FP32_BYTES, _ONEBIT_LAUNCHES * len(buckets))
+    raise ValueError(f"unknown gradient compressor {name!r}; known: {', '.join(GRADIENT_COMPRESSORS)}")
+
+
+def ring_allgather_s(payload_bytes: float, ranks: int, link: Link) -> float:
+    """Ring all-gather: R-1 steps, each moving one rank's payload over the slowest link."""
+    if ranks <= 1 or payload_bytes <= 0:
+        return 0.0
+    return (ranks - 1) * (link.latency_s + payload_bytes / link.bandwidth_bytes_s)
+
+
+def gradient_cost(volume: CompressedVolume, ranks: int, link: Link, bandwidth_bytes_s: float,
+                  launch_s: float = 0.0) -> GradientCost:
+    """Time of a compressed volume synchronised over `ranks` ranks on `link` (0 for one rank);
+    kernels stream at `bandwidth_bytes_s` and cost `launch_s` per launch."""
+    if ranks <= 1:
+        return GradientCost(volume.name, volume.algorithm, 0.0, 0.0, 0.0, 0.0)
+    if volume.algorithm == "allgather":
+        comm = sum(ring_allgather_s(b, ranks, link) for b in volume.collectives_bytes)
+    else:
+        comm = sum(ring_allreduce_s(b, ranks, link) for b in volume.collectives_bytes)
+    kernel = (volume.kernel_bytes + volume.kernel_bytes_per_rank * ranks) / bandwidth_bytes_s \
+        + volume.kernel_launches * launch_s
+    return GradientCost(volume.name, volume.algorithm, volume.payload_bytes, comm, kernel,
+                        volume.state_bytes)
+
+
+def applies(name: str, volume: GradVolume) -> bool:
+    """Whether compressor `name` changes anything on `volume` (PowerSGD needs a compressible matrix)."""
+    if name == "powersgd":
+        return any(powersgd_elements(s)[0] == 0 for s in volume.shapes)
+    return True
+
+
+def candidates(policy: str, volume: GradVolume) -> list[CompressedVolume]:
+    """The compressed volumes a policy lets the planner choose from (never empty)."""
+    names = [n for n in gradient_options(policy) if applies(n, volume)] or ["none"]
+    return [compress_volume(n, volume) for n in names]
+
+
+def best_gradient(options: Sequence[CompressedVolume], ranks: int, link: Link, bandwidth_bytes_s: float,
+                  launch_s: float = 0.0) -> GradientCost:
+    """The fastest of `options` (ties: the earlier one, `none` first)."""
+    costs = [gradient_cost(v, ranks, link, bandwidth_bytes_s, launch_s) for v in options]
+    return min(costs, key=lambda c: c.time_s)
+
+
+# ----------------------------------------------------------------------------- activations
+
+@dataclass(frozen=True)
+class ActivationCost:
+    """One compressor on one pipeline edge, per micro-batch, forward and backward together."""
+
+    name: str
+    wire_bytes: float         # one direction
+    time_s: float             # both directions: link time + encode/decode kernels
+
+
+def activation_wire_bytes(name: str, nbytes: float, element_bytes: int) -> float:
+    """Bytes on the wire for `nbytes` of activations of `element_bytes`-byte elements."""
+    n = nbytes / element_bytes
+    if name in ("fp16", "bf16") and element_bytes > HALF_BYTES:
+        return n * HALF_BYTES
+    if name == "int8" and element_bytes > INT8_BYTES:
+        return n * INT8_BYTES + math.ceil(n / INT8_BLOCK_ELEMS) * SCALE_BYTES
+    return nbytes
+
+
+def activation_applies(name: str, element_bytes: int) -> bool:
+    """Casts apply to activations wider than 2 bytes; int8 to any wider than 1 byte."""
+    if name in ("fp16", "bf16"):
+        return element_bytes > HALF_BYTES
+    if name == "int8":
+        return element_bytes > INT8_BYTES
+    return True
+
+
+def choose_activation(policy: str, nbytes: float, element_bytes: int, link: Link,
+                      bandwidth_bytes_s: float, launch_s: float = 0.0) -> ActivationCost:
+    """The fastest compressor the policy allows for `nbytes` per micro-batch on `link`."""
+    names = [n for n in activation_options(policy) if activation_applies(n, element_bytes)] or ["none"]
+    costs = []
+    for name in names:
+        wire = activation_wire_bytes(name, nbytes, element_bytes)
+        kernel = _ACTIVATION_KERNEL_BYTES[name] * nbytes / element_bytes / bandwidth_bytes_s \
+            + _ACTIVATION_LAUNCHES[name] * launch_s
+        costs.append(ActivationCost(name, wire, 2 * (link.transfer_s(wire) + kernel)))
+    return min(costs, key=lambda c: c.time_s)
+
+
+# ----------------------------------------------------------------------------- tables
+
+@dataclass(frozen=True)
+class CompressionTable:
+    """Compression inputs of the costed problem: policies, parameter shapes, kernel bandwidths."""
+
+    gradient_policy: str = "none"
+    activation_policy: str = "none"
+    param_shapes: tuple[tuple[str, Shape], ...] = ()
+    block_params: tuple[tuple[str, ...], ...] = ()      # per block: parameters it reads
+    kernel_bandwidth_bytes_s: tuple[float, ...] = ()    # per device class, as CostTables.classes
+    kernel_launch_s: tuple[float, ...] = ()             # per device class: overhead of one launch
+
+    @property
+    def compresses_gradients(self) -> bool:
+        return gradient_options(self.gradient_policy) != ("none",)
+
+    def volume(self, params: Iterable[str], nbytes: float) -> GradVolume:
+        """The volume of `params` (unknown shapes: vectors of their share of `nbytes`)."""
+        shapes = dict(self.param_shapes)
+        names = list(dict.fromkeys(params))
+        known = [shapes[p] for p in names if p in shapes]
+        missing = len(names) - len(known)
+        rest = nbytes - sum(math.prod(s) for s in known) * FP32_BYTES
+        if missing and rest > 0:
+            known.extend([(max(1, round(rest / FP32_BYTES / missing)),)] * missing)
+        return GradVolume(nbytes, tuple(known))
+
+    def blocks_volume(self, blocks: range, grad_bytes: Sequence[float]) -> GradVolume:
+        """The volume of a stage covering `blocks` (bytes as the tables count them)."""
+        params = [p for b in blocks for p in self.block_params[b]] if self.block_params else []
+        return self.volume(params, sum(grad_bytes[b] for b in blocks))
+
+
+@dataclass(frozen=True)
+class CompressedCostTables(CostTables):
+    """`CostTables` plus the compression table the search and assembly read."""
+
+    compression: CompressionTable = field(default_factory=CompressionTable)
+
+
+def with_compression(tables: CostTables, compression: CompressionTable) -> CompressedCostTables:
+    """`tables` with `compression` attached (the cost tables themselves unchanged)."""
+    values = {f.name: getattr(tables, f.name) for f in fields(CostTables)}
+    return CompressedCostTables(**values, compression=compression)
+
+
+def compression_of(tables: CostTables) -> CompressionTable:
+    """The compression table of `tables` (no compression for plain CostTables)."""
+    return tables.compression if isinstance(tables, CompressedCostTables) else CompressionTable()
+
+
+def shape_sync_s(tables: CostTables, cls: int, stage_blocks: Sequence[range], grad_bytes: float,
+                 replica_counts: Sequence[int], link: Link) -> list[float]:
+    """Gradient sync time of one pipeline shape for each replica count (the ILP's sync staircase).
+
+    Without compression: a ring all-reduce of the heaviest stage's `grad_bytes`. With a policy:
+    per replica count, the slowest of the given stages (the heaviest of each candidate split)
+    under its best allowed compressor.
+    """
+    table = compression_of(tables)
+    if not table.compresses_gradients:
+        return [ring_allreduce_s(grad_bytes, r, link) for r in replica_counts]
+    bandwidth = table.kernel_bandwidth_bytes_s[cls]
+    launch = table.kernel_launch_s[cls] if table.kernel_launch_s else 0.0
+    options = [candidates(table.gradient_policy, table.blocks_volume(blocks, tables.grad_bytes))
+               for blocks in stage_blocks]
+    return [max(best_gradient(o, r, link, bandwidth, launch).time_s for o in options) for r in replica_counts]
+
+
+def choose_gradient(table: CompressionTable, params: Sequence[str], nbytes: float, ranks: int,
+                    link: Link, bandwidth_bytes_s: float, launch_s: float = 0.0) -> GradientCost:
+    """The compressor of one gradient group under the table's policy, with its cost."""
+    if not table.compresses_gradients:
+        return GradientCost("none", "ring", nbytes, ring_allreduce_s(nbytes, ranks, link), 0.0, 0.0)
+    options = candidates(table.gradient_policy, table.volume(params, nbytes))
+    return best_gradient(options, ranks, link, bandwidth_bytes_s, launch_s)

@@ -1,0 +1,295 @@
+"""The measurements behind `plan profile`, as run inside one calibration worker process.
+
+Each compute measurement times a chain of `CHAIN_OPS` aten ops of one kind and size (each op's input
+is the previous op's output and each has its own weights, as in a traced stage), forward with
+autograd recording and backward, and reports seconds per op. Work per op is counted by
+`costmodel.ops.OpCounter`, the same counter the planner uses, so the fitted rates apply to its counts.
+
+Every timed repetition follows `DISTURB_S` of unrelated work (a matmul and a sweep over a buffer
+larger than the caches): in a training step each op and each collective runs once, between others,
+and on an oversubscribed CPU host that makes them markedly slower than in a hot loop (measured here,
+4 gloo ranks on 2 cores: an all-reduce of 288 KB took 14 ms after compute against 8 ms back to back;
+the mlp example's forward+backward 1.7 ms against 0.9-1.3 ms).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from costmodel import constants as C
+from costmodel.ops import OpCounter
+
+# Ops per timed chain: enough that one backward call's fixed start-up cost (~20 us on CPU) is
+# spread thin, as it is over a stage's many ops.
+CHAIN_OPS = 8
+WARMUP_RUNS = 2
+MODEL_ROUNDS = 3          # model timings alternate their two sizes over this many rounds
+MODEL_BATCH_ROWS = (4, 32)  # rows of `batch(rows, step)` timed: every rank builds the global batch each step
+DISTURB_S = 0.002         # unrelated work before each timed repetition (see the module docstring)
+_DISTURB_BUFFER_ELEMENTS = 1 << 20   # 4 MB of fp32: more than a core's L2 cache
+aten = torch.ops.aten
+_scratch: dict[str, torch.Tensor] = {}
+
+
+def disturb() -> None:
+    """Run `DISTURB_S` of unrelated CPU work (matmuls and a sweep over a cache-sized buffer)."""
+    if not _scratch:
+        _scratch.update(a=torch.randn(128, 128), buf=torch.randn(_DISTURB_BUFFER_ELEMENTS))
+    end = time.perf_counter() + DISTURB_S
+    while time.perf_counter() < end:
+        _scratch["a"] @ _scratch["a"]
+        _scratch["buf"].mul_(1.0)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark point: an op class, a label, the op and its inputs' builder."""
+
+    op_class: str
+    label: str
+    target: Any                                            # the aten overload, as in a traced graph
+    make: Callable[[torch.device, torch.dtype], tuple[torch.Tensor, tuple[Any, ...]]]
+    # make -> (chain input, extra args after the chained tensor); op(x, *extra) has x's shape
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def _rand(*shape: int, device: torch.device, dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
+
+
+def compute_cases(quick: bool) -> list[Case]:
+    """Sizes spanning dispatch-bound (a few rows) to rate-bound (MFLOPs per op) on a CPU core."""
+    rows = (1, 256) if quick else (1, 64, 512)
+    cases: list[Case] = []
+    for d in ((128, 512) if quick else (64, 256, 512)):
+        for n in rows:
+            cases.append(Case("matmul", f"linear {n}x{d}", aten.linear.default,
+                              lambda dev, dt, n=n, d=d: (_rand(n, d, device=dev, dtype=dt),
+                                                         (_rand(d, d, device=dev, dtype=dt),
+                                                          _rand(d, device=dev, dtype=dt)))))
+    for c, hw in (((16, 8), (32, 32)) if quick else ((8, 8), (16, 16), (32, 32), (16, 32))):
+        cases.append(Case("conv", f"conv3x3 {c}ch {hw}px", aten.conv2d.default,
+                          lambda dev, dt, c=c, hw=hw: (_rand(2, c, hw, hw, device=dev, dtype=dt),
+                                                       (_rand(c, c, 3, 3, device=dev, dtype=dt), None, [1, 1],
+                                                        [1, 1]))))
+    for b, s in (((1, 32), (8, 128)) if quick else ((1, 32), (4, 64), (8, 128))):
+        cases.append(Case("attention", f"sdpa {b}x4x{s}x16", aten.scaled_dot_product_attention.default,
+                          lambda dev, dt, b=b, s=s: (_rand(b, 4, s, 16, device=dev, dtype=dt),
+                                                     (_rand(b, 4, s, 16, device=dev, dtype=dt),
+                                                      _rand(b, 4, s, 16, device=dev, dtype=dt))),
+                          (("is_causal", True),)))
+    for n in ((8, 2048) if quick else (4, 256, 4096)):
+        cases += [
+            Case("elementwise", f"gelu {n}x128", aten.gelu.default,
+                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt), ())),
+            Case("elementwise", f"add {n}x128", aten.add.Tensor,
+                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt), (_rand(n, 128, device=dev, dtype=dt),))),
+            Case("elementwise", f"layer_norm {n}x128", aten.layer_norm.default,
+                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt),
+                                       ([128], _rand(128, device=dev, dtype=dt), _rand(128, device=dev, dtype=dt)))),
+            Case("elementwise", f"group_norm {n // 4}x16x8x8", aten.group_norm.default,
+                 lambda dev, dt, n=n: (_rand(max(n // 4, 1), 16, 8, 8, device=dev, dtype=dt),
+                                       (4, _rand(16, device=dev, dtype=dt), _rand(16, device=dev, dtype=dt)))),
+            Case("elementwise", f"relu {n}x128", aten.relu.default,
+                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt), ())),
+        ]
+    cases.append(Case("view", "transpose", aten.transpose.int,
+                      lambda dev, dt: (_rand(16, 16, device=dev, dtype=dt), (0, 1))))
+    cases.append(Case("view", "view", aten.view.default,
+                      lambda dev, dt: (_rand(16, 16, device=dev, dtype=dt), ([16, 16],))))
+    return cases
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time_s(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median wall time of `fn` over `repeats` runs after `WARMUP_RUNS` untimed ones, each after `disturb()`."""
+    for _ in range(WARMUP_RUNS):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        disturb()
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def fwd_bwd_times_s(forward: Callable[[], Any], backward: Callable[[Any], None], repeats: int,
+                    device: torch.device) -> tuple[float, float]:
+    """Median forward and median backward seconds, both timed within each run."""
+    fwd, bwd = fwd_bwd_samples_s(forward, backward, repeats, device)
+    return median(fwd), median(bwd)
+
+
+def fwd_bwd_samples_s(forward: Callable[[], Any], backward: Callable[[Any], None], repeats: int,
+                      device: torch.device) -> tuple[list[float], list[float]]:
+    """Forward and backward seconds of `repeats` runs (after `WARMUP_RUNS`), both timed within each run."""
+    fwd, bwd = [], []
+    for i in range(WARMUP_RUNS + repeats):
+        disturb()
+        start = time.perf_counter()
+        out = forward()
+        _sync(device)
+        mid = time.perf_counter()
+        backward(out)
+        _sync(device)
+        if i >= WARMUP_RUNS:
+            fwd.append(mid - start)
+            bwd.append(time.perf_counter() - mid)
+    return fwd, bwd
+
+
+def measure_case(case: Case, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+    """Seconds per op, forward and backward, and the planner's work counts of one op."""
+    x, extra = case.make(device, dtype)
+    extras = [extra] + [case.make(device, dtype)[1] for _ in range(CHAIN_OPS - 1)]   # own weights per op
+    kwargs = dict(case.kwargs)
+    out = case.target(x, *extra, **kwargs)
+    count = OpCounter().count(case.target, (x, *extra), kwargs, out)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for args in extras:
+            y = case.target(y, *args, **kwargs)
+        return y
+
+    grad = torch.ones_like(out)
+    fwd_s, bwd_s = fwd_bwd_times_s(forward, lambda y: torch.autograd.backward(y, grad), repeats, device)
+    return {"op_class": case.op_class, "label": case.label, "fwd_s": fwd_s / CHAIN_OPS, "bwd_s": bwd_s / CHAIN_OPS,
+            "fwd_flops": count.fwd_flops, "bwd_flops": count.bwd_flops, "fwd_bytes": count.fwd_bytes,
+            "bwd_bytes": count.fwd_bytes * C.BACKWARD_BYTES_FACTOR}
+
+
+def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: Any) -> list[dict[str, float]]:
+    """The program's per-step parameter update, per (tensors, size): on CPU its gradient synchronisation
+    code (`backends.torchdist.gradsync.GradientSync`: flatten, all-reduce, copy back) over a one-process
+    gloo group, so without any transfer; then AdamW step and zero_grad(set_to_none=False)."""
+    from backends.torchdist.gradsync import GradientSync
+    from planner.ir import GradGroup
+
+    shapes = ((2, 256), (16, 256), (32, 1024), (4, 65536)) if quick else \
+        ((2, 256), (8, 256), (32, 256), (48, 1024), (4, 65536), (16, 16384))
+    points = []
+    for tensors, numel in shapes:
+        params = {f"p{i}": torch.nn.Parameter(torch.randn(numel, device=device)) for i in range(tensors)}
+        for p in params.values():
+            p.grad = torch.randn_like(p)
+        group = GradGroup(0, (dist.get_rank(),), tuple(params), float(tensors * numel * 4), "none", "ring", 0.0)
+        sync = GradientSync([group], {0: solo_group}, params) if device.type == "cpu" else None
+        opt = torch.optim.AdamW(list(params.values()), lr=1e-3)
+
+        def step(opt: torch.optim.Optimizer = opt, sync: Any = sync) -> None:
+            if sync is not None:      # gloo holds CPU tensors; a GPU program syncs with NCCL instead
+                sync.sync()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+        points.append({"tensors": float(tensors), "param_bytes": float(tensors * numel * 4),
+                       "time_s": median_time_s(step, repeats, device)})
+    return points
+
+
+def comm_sizes(quick: bool) -> tuple[int, ...]:
+    """Message sizes in bytes: latency-bound to bandwidth-bound."""
+    return (4, 65536, 1 << 20) if quick else (4, 4096, 65536, 1 << 20, 4 << 20)
+
+
+def measure_comm(rank: int, world: int, quick: bool, repeats: int) -> dict[str, list[dict[str, float]]]:
+    """Ping-pong (one way = half the round trip) and all-reduce inside pairs (0,1), (2,3), ... at once,
+    then (more than two processes) all-reduce over all of them.
+
+    Every rank creates every pair group (new_group is collective); a rank without a partner idles."""
+    pairs = [(r, r + 1) for r in range(0, world - 1, 2)]
+    groups = [dist.new_group(list(p)) for p in pairs]
+    mine = next((i for i, p in enumerate(pairs) if rank in p), None)
+    result: dict[str, list[dict[str, float]]] = {"p2p": [], "allreduce_2": []}
+    for nbytes in comm_sizes(quick):
+        buf = torch.zeros(max(nbytes // 4, 1))
+        dist.barrier()
+        if mine is None:
+            dist.barrier()
+            continue
+        peer = pairs[mine][1] if rank == pairs[mine][0] else pairs[mine][0]
+        first = rank == pairs[mine][0]
+
+        def ping_pong(buf: torch.Tensor = buf, peer: int = peer, first: bool = first) -> None:
+            if first:
+                dist.isend(buf, peer).wait()
+                dist.irecv(buf, peer).wait()
+            else:
+                dist.irecv(buf, peer).wait()
+                dist.isend(buf, peer).wait()
+
+        def allreduce(buf: torch.Tensor = buf, group: Any = groups[mine]) -> None:
+            dist.all_reduce(buf, group=group)
+
+        cpu = torch.device("cpu")
+        # after work, as in a pipeline: on an oversubscribed host the partner's wake-up is part of the cost
+        result["p2p"].append({"bytes": float(buf.numel() * 4),
+                              "time_s": median_time_s(ping_pong, repeats, cpu) / 2})
+        result["allreduce_2"].append({"bytes": float(buf.numel() * 4),
+                                      "time_s": median_time_s(allreduce, repeats, cpu)})
+        dist.barrier()
+    if world > 2:     # the whole world at once, as a data-parallel job's gradient all-reduce
+        result["allreduce_world"] = []
+        for nbytes in comm_sizes(quick):
+            buf = torch.zeros(max(nbytes // 4, 1))
+            dist.barrier()
+            result["allreduce_world"].append({"bytes": float(buf.numel() * 4), "processes": float(world),
+                                              "time_s": median_time_s(lambda b=buf: dist.all_reduce(b),
+                                                                      repeats, torch.device("cpu"))})
+    return result
+
+
+def measure_model(path: str, device: torch.device, repeats: int, micro_batches: tuple[int, int]) -> dict[str, Any]:
+    """Forward and backward seconds of the whole model and its loss at two micro-batch sizes, on real
+    tensors, the sizes interleaved over `MODEL_ROUNDS` rounds so that load changes hit both alike; and
+    the seconds of the model file's `batch()` at `MODEL_BATCH_ROWS` rows.
+
+    The model is traced as the emitted program traces a stage (torch.export on real weights) and the
+    loss is the model file's, as on a last stage; the key comes from the planner's own trace on meta."""
+    from costmodel.calibration import model_key
+    from planner import frontend
+    from planner.api import trace_model_file
+
+    model_file = frontend.load_model_file(path)
+    _, blocks, _ = trace_model_file(model_file)
+    key = model_key(tuple(b.signature for b in blocks), tuple(b.fwd_flops for b in blocks))
+    torch.manual_seed(0)
+    module = model_file.build().to(device)
+    runs = []
+    for rows in micro_batches:
+        inputs, target = frontend.to_device(frontend.example_batch(model_file, rows), device)
+        gm = frontend.trace(module, inputs, file=path)
+
+        def forward(gm: Any = gm, inputs: Any = inputs, target: Any = target) -> torch.Tensor:
+            out = gm(*inputs)
+            out = out[0] if isinstance(out, tuple | list) and len(out) == 1 else out
+            return model_file.loss_fn(out, target)
+
+        runs.append((rows, forward))
+    samples: dict[int, tuple[list[float], list[float]]] = {rows: ([], []) for rows in micro_batches}
+    for _ in range(MODEL_ROUNDS):
+        for rows, forward in runs:
+            fwd, bwd = fwd_bwd_samples_s(forward, lambda loss: loss.backward(), max(repeats // MODEL_ROUNDS, 2),
+                                         device)
+            samples[rows][0].extend(fwd)
+            samples[rows][1].extend(bwd)
+    points = [{"micro_batch": float(rows), "fwd_s": median(f), "bwd_s": median(b)}
+              for rows, (f, b) in samples.items()]
+    batches = [{"rows": float(rows), "time_s": median_time_s(lambda r=rows: model_file.batch(r, 1), repeats, device)}
+               for rows in MODEL_BATCH_ROWS]
+    return {"key": key, "path": path, "points": points, "batches": batches}

@@ -1,0 +1,90 @@
+"""`plan profile`: measure this machine's device and write a calibration file for `plan --calibration`.
+
+    plan profile [--out calibration.json] [--model model.py ...] [--quick] [--concurrency N]
+
+Compute rates and per-op overheads per op class, optimizer cost, gloo point-to-point and all-reduce
+between local processes, and the framework's memory; with `--model`, the whole model's forward and
+backward time on real tensors (the cost model then scales its per-block estimates of that model to
+the measured totals). See `costmodel.calibrate` for the method and `costmodel.calibration` for the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from planner.errors import HetplanError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan profile", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="calibration.json", help="calibration file to write")
+    p.add_argument("--model", action="append", default=[], metavar="MODEL.py",
+                   help="also time this model's forward/backward (repeatable)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds, noisier)")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="processes measuring at once: the ranks that will share this host (CPU programs "
+                        "run one single-threaded process per device)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="what to measure: auto is cuda when present, else cpu")
+    p.add_argument("--device-name", default=None,
+                   help="catalog device type the figures calibrate (default: CPU, or the catalog GPU "
+                        "whose name the driver reports)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before the workers are stopped")
+    return p
+
+
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The headline figures of a calibration document, one per line."""
+    lines = [f"device {doc['device']['name']} ({doc['device']['description']}), "
+             f"{doc['device']['concurrent_processes']} concurrent process(es), "
+             f"{doc['device']['threads_per_process']} thread(s) each"]
+    for precision, classes in doc["compute"].items():
+        for name, r in sorted(classes.items()):
+            rate = r.get("fwd_flop_per_s") or r.get("fwd_byte_per_s")
+            unit = "GFLOP/s" if "fwd_flop_per_s" in r else "GB/s"
+            rate_text = f"{rate / 1e9:8.1f} {unit:7s}" if rate else " " * 16
+            lines.append(f"  {precision} {name:12s} {rate_text} overhead fwd {r['fwd_overhead_s'] * 1e6:6.1f} us"
+                         f" bwd {r['bwd_overhead_s'] * 1e6:6.1f} us")
+    opt, comm = doc["optimizer"], doc["comm"]
+    lines.append(f"  update (grad-sync bookkeeping + AdamW + zero_grad) {opt['per_step_s'] * 1e6:.0f} us/step + "
+                 f"{opt['per_tensor_s'] * 1e6:.1f} us/tensor + bytes / {opt['param_bytes_per_s'] / 1e9:.2f} GB/s")
+    for kind in ("p2p", "allreduce_2"):
+        c = comm[kind]
+        lines.append(f"  gloo {kind:12s} {c['latency_s'] * 1e6:7.1f} us + bytes / "
+                     f"{c['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+    lines.append(f"  framework memory {doc['memory']['framework_bytes'] / 2**20:.0f} MiB "
+                 f"(torch + process group {doc['memory']['torch_process_group_bytes'] / 2**20:.0f} MiB)")
+    for key, m in doc.get("models", {}).items():
+        lines.append(f"  model {Path(m['path']).parent.name}/{Path(m['path']).name} [{key}]: fwd "
+                     f"{m['fwd_s_per_micro_batch'] * 1e3:.2f} ms + {m['fwd_s_per_sample'] * 1e3:.3f} ms/sample, bwd "
+                     f"{m['bwd_s_per_micro_batch'] * 1e3:.2f} ms + {m['bwd_s_per_sample'] * 1e3:.3f} ms/sample")
+    return lines
+
+
+def cmd_profile(argv: list[str]) -> int:
+    """Entry of `plan profile`; errors are `HetplanError`s, turned into one line by the CLI."""
+    from costmodel.calibrate import profile, write_calibration
+
+    args = _parser().parse_args(argv)
+    if args.concurrency < 1:
+        raise HetplanError(f"--concurrency {args.concurrency} must be at least 1", field="--concurrency",
+                           fix="pass the number of processes that will share this host")
+    for model in args.model:
+        if not Path(model).is_file():
+            raise HetplanError("model file not found", file=model, field="--model", fix="check the path")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    doc = profile(quick=args.quick, concurrency=args.concurrency, device=device, device_name=args.device_name,
+                  models=tuple(args.model), timeout_s=args.timeout)
+    out = Path(args.out)
+    write_calibration(doc, out)
+    print("\n".join(summary_lines(doc)))
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s (use: plan MODEL --cluster SPEC --calibration {out})")
+    return 0
