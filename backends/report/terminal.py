@@ -14,7 +14,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def _time(seconds: float) -> str:
+def format_time(seconds: float) -> str:
+    """Seconds in the unit that reads best (s, ms, us)."""
     if seconds >= 1:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:
@@ -28,9 +29,9 @@ def summary(plan: Plan) -> str:
     head = [
         f"plan for {plan.inputs.cluster_name}: {len(plan.replicas)} replica(s) on {devices_used} device(s), "
         f"global batch {plan.global_batch}, {len(plan.blocks)} blocks",
-        f"estimated step {_time(e.iteration_s)} (pipelines {_time(e.pipeline_s)} + gradient sync "
-        f"{_time(e.sync_s)}), {e.throughput_samples_s:,.1f} samples/s, bubble {e.bubble_fraction:.0%}",
-        f"search: {s.strategy}, {s.status}, objective {_time(s.objective_s)}, bound {_time(s.bound_s)}, "
+        f"estimated step {format_time(e.iteration_s)} (pipelines {format_time(e.pipeline_s)} + gradient sync "
+        f"{format_time(e.sync_s)}), {e.throughput_samples_s:,.1f} samples/s, bubble {e.bubble_fraction:.0%}",
+        f"search: {s.strategy}, {s.status}, objective {format_time(s.objective_s)}, bound {format_time(s.bound_s)}, "
         f"gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
     ]
     if e.cost_per_sample is not None:
@@ -43,11 +44,11 @@ def summary(plan: Plan) -> str:
                 f"{st.first_block}-{st.last_block}", str(r.batch_share), "x".join(map(str, r.micro_batch_sizes[:1]))
                 + f" x{len(r.micro_batch_sizes)}",
                 f"{e.memory_bytes[st.rank] / GIB:.2f}/{e.capacity_bytes[st.rank] / GIB:.1f}",
-                _time(e.busy_s[st.rank])])
+                format_time(e.busy_s[st.rank])])
     stages = _table(["rank", "rep/stage", "device", "type", "prec", "blocks", "share", "micro", "mem GiB",
                      "busy"], rows)
     groups = [[str(g.index), ",".join(map(str, g.ranks)) if len(g.ranks) <= 8 else f"{len(g.ranks)} ranks",
-               str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, _time(g.estimated_s)]
+               str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, format_time(g.estimated_s)]
               for g in plan.grad_groups[:12]]
     more = f"\n... {len(plan.grad_groups) - 12} more gradient groups" if len(plan.grad_groups) > 12 else ""
     grads = _table(["group", "ranks", "params", "MiB", "compressor", "est"], groups) + more if groups else \
@@ -69,6 +70,6 @@ def simulation_section(plan: Plan, spec) -> str:
     from backends.sim import render_gantt, simulate_plan
 
     sim = simulate_plan(plan, spec)
-    head = (f"simulated step {_time(sim.iteration_s)} (estimate {_time(plan.estimates.iteration_s)}), "
+    head = (f"simulated step {format_time(sim.iteration_s)} (estimate {format_time(plan.estimates.iteration_s)}), "
             f"bubble {sim.bubble_fraction:.0%}")
     return head + "\n" + render_gantt(sim)

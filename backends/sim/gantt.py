@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from backends.report.terminal import format_time
 from backends.sim.engine import OPTIMIZER_LABEL, SYNC_LABEL, SimResult, Span
 
 DEFAULT_WIDTH = 100          # characters of the time axis
@@ -36,14 +37,6 @@ def _row(spans: list[Span], width: int, cell_s: float) -> str:
     return "".join(cells)
 
 
-def _time(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.1f} us"
-
-
 def render_gantt(result: SimResult, width: int = DEFAULT_WIDTH, max_ranks: int = DEFAULT_MAX_RANKS) -> str:
     """The timeline as text: a header, one row per rank (at most `max_ranks`), a legend."""
     if result.iteration_s <= 0 or not result.timeline:
@@ -53,9 +46,9 @@ def render_gantt(result: SimResult, width: int = DEFAULT_WIDTH, max_ranks: int =
     for sp in result.timeline:
         by_rank.setdefault(sp.rank, []).append(sp)
     ranks = sorted(by_rank)
-    head = (f"iteration {_time(result.iteration_s)}, bubble {result.bubble_fraction:.0%}, "
-            f"one column = {_time(cell_s)}")
-    axis = "      0" + " " * (width - 1 - len(_time(result.iteration_s))) + _time(result.iteration_s)
+    head = (f"iteration {format_time(result.iteration_s)}, bubble {result.bubble_fraction:.0%}, "
+            f"one column = {format_time(cell_s)}")
+    axis = "      0" + " " * (width - 1 - len(format_time(result.iteration_s))) + format_time(result.iteration_s)
     lines = [head, axis]
     for rank in ranks[:max_ranks]:
         lines.append(f"r{rank:<4} |{_row(by_rank[rank], width, cell_s)}|")
