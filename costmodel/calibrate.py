@@ -1,11 +1,13 @@
 """`plan profile`: measure this machine's device and write a calibration file.
 
-Runs `max(concurrency, 2)` worker processes of this module on gloo (a free local port, a short
-collective timeout); the first `concurrency` of them run every compute benchmark at the same time,
-so the figures describe one rank of a job with that many processes sharing the host (the emitted
-program on CPU runs one single-threaded process per device). Pairs of workers then measure
-point-to-point and all-reduce. The parent fits the medians over workers and writes the JSON that
-`costmodel.calibration.load_calibration` reads. Children are reaped on success, failure or timeout.
+Runs `max(concurrency, 2)` worker processes (`costmodel.calibrate_worker`) on gloo (a free local
+port, a short collective timeout); the first `concurrency` of them run every compute benchmark at the
+same time, so the figures describe one rank of a job with that many processes sharing the host (the
+emitted program on CPU runs one single-threaded process per device). Pairs of workers, then all of
+them, measure point-to-point and all-reduce; with `--model`, the computing workers train the model
+together for a few steps (`costmodel.modelbench`). This parent fits the medians over workers and
+writes the JSON that `costmodel.calibration.load_calibration` reads. Children are reaped on success,
+failure or timeout.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ QUICK_REPEATS = 5
 FULL_REPEATS = 15
 # Micro-batch sizes at which a given model is timed (slope = per sample, intercept = per micro-batch).
 MODEL_MICRO_BATCHES = (1, 8)
-METHOD = ("chains of 8 identical aten ops per class and size, median over repeats, forward with autograd "
-          "recording and forward+one backward call; fits time = overhead + work/rate weighted by 1/time; "
-          "work as counted by costmodel.ops.OpCounter; medians over the concurrent workers")
+METHOD = ("chains of 8 aten ops per class and size (own weights each), forward with autograd recording and "
+          "backward, each repetition after 2 ms of unrelated work; medians over repeats, then over the "
+          "concurrent workers; fits time = overhead + work/rate weighted by 1/time, work as counted by "
+          "costmodel.ops.OpCounter")
 
 
 def free_port() -> int:
@@ -52,22 +55,36 @@ def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", d
     limit_s = timeout_s or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as tmp:
         port = free_port()
-        procs = []
-        for rank in range(world):
-            cmd = [sys.executable, "-m", "costmodel.calibrate_worker", "--rank", str(rank), "--world", str(world),
-                   "--port", str(port), "--dir", tmp, "--concurrency", str(concurrency), "--device", device]
-            cmd += ["--quick"] if quick else []
-            for m in models:
-                cmd += ["--model", str(Path(m).resolve())]
-            log = open(Path(tmp) / f"worker{rank}.log", "w")  # noqa: SIM115 (closed after the wait)
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                           cwd=Path(__file__).resolve().parents[1],
-                                           env={**os.environ, "OMP_NUM_THREADS": "1"}), log))
+        procs: list[tuple[subprocess.Popen[bytes], Any]] = []
+        try:
+            _spawn(procs, world, port, tmp, quick, concurrency, device, models)
+        except BaseException:
+            _reap(procs)
+            raise
         _wait_all(procs, limit_s, tmp)
         results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     doc = _document(results, concurrency, device, device_name)
     parse_calibration(doc, "<measured>")   # what we write must read back
     return doc
+
+
+def _spawn(procs: list[tuple[subprocess.Popen[bytes], Any]], world: int, port: int, tmp: str, quick: bool,
+           concurrency: int, device: str, models: tuple[str, ...]) -> None:
+    """Start the workers, appending each (process, log file) to `procs` as soon as it runs."""
+    for rank in range(world):
+        cmd = [sys.executable, "-m", "costmodel.calibrate_worker", "--rank", str(rank), "--world", str(world),
+               "--port", str(port), "--dir", tmp, "--concurrency", str(concurrency), "--device", device]
+        cmd += ["--quick"] if quick else []
+        for m in models:
+            cmd += ["--model", str(Path(m).resolve())]
+        log = open(Path(tmp) / f"worker{rank}.log", "w")  # noqa: SIM115 (closed by _wait_all)
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+        except BaseException:
+            log.close()
+            raise
+        procs.append((proc, log))
 
 
 def _wait_all(procs: list[tuple[subprocess.Popen[bytes], Any]], limit_s: float, tmp: str) -> None:
@@ -79,17 +96,22 @@ def _wait_all(procs: list[tuple[subprocess.Popen[bytes], Any]], limit_s: float, 
         raise CalibrationError(f"profiling workers did not finish within {limit_s:.0f} s", field="workers",
                                fix="retry on a quieter machine, or pass a longer --timeout") from None
     finally:
-        for proc, log in procs:
-            if proc.poll() is None:       # our own child's session: kill it and its children, then reap
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
+        _reap(procs)
     failed = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
     if failed:
         rank, code = failed[0]
         tail = (Path(tmp) / f"worker{rank}.log").read_text().strip().splitlines()[-1:] or ["no output"]
         raise CalibrationError(f"profiling worker {rank} exited with {code}: {tail[0][:200]}", field="workers",
                                fix="see the message; `plan profile --quick` checks the set-up quickly")
+
+
+def _reap(procs: list[tuple[subprocess.Popen[bytes], Any]]) -> None:
+    """Kill the workers still running (each leads its own session: it and its children), wait for all."""
+    for proc, log in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
 
 
 # ---- fitting ----------------------------------------------------------------------------------------
@@ -212,19 +234,37 @@ def _document(results: list[dict[str, Any]], concurrency: int, device: str,
         "samples": samples,
     }
     if computing[0]["models"]:
-        doc["models"] = {}
-        for i, measured in enumerate(computing[0]["models"]):
-            points = _medians([r["models"][i]["points"] for r in computing], ("fwd_s", "bwd_s"))
-            sizes = [p["micro_batch"] for p in points]
-            fwd = fit_line(sizes, [p["fwd_s"] for p in points])
-            bwd = fit_line(sizes, [p["bwd_s"] for p in points])
-            batches = _medians([r["models"][i]["batches"] for r in computing], ("time_s",))
-            data = fit_line([b["rows"] for b in batches], [b["time_s"] for b in batches])
-            doc["models"][measured["key"]] = {
-                "path": measured["path"], "micro_batches": sizes, "fwd_s_per_sample": fwd[1],
-                "fwd_s_per_micro_batch": fwd[0], "bwd_s_per_sample": bwd[1], "bwd_s_per_micro_batch": bwd[0],
-                "batch_s_per_sample": data[1], "batch_s_per_call": data[0]}
+        doc["models"] = _model_timings(computing, doc)
+        factors = [m["tail_in_situ_factor"] for m in doc["models"].values() if m["processes"] >= 2]
+        if factors:
+            doc["in_situ"] = {"tail_factor": median(factors), "method": (
+                "median over the timed models of (gradient sync + update measured inside their training "
+                "step) / (ring all-reduce + update predicted from the microbenchmark fits); scales the "
+                "ring link and the update costs")}
     return doc
+
+
+def _model_timings(computing: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
+    """Per timed model: forward/backward/batch() fits over the micro-batch sizes, and how its measured
+    gradient sync + update compare with what the microbenchmark fits predict for its gradients."""
+    timings = {}
+    ring, update = doc["comm"]["allreduce_ring"], doc["optimizer"]
+    for i, measured in enumerate(computing[0]["models"]):
+        points = _medians([r["models"][i]["points"] for r in computing],
+                          ("batch_s", "fwd_s", "bwd_s", "sync_s", "update_s"))
+        sizes = [p["micro_batch"] for p in points]
+        fwd, bwd, data = (fit_line(sizes, [p[k] for p in points]) for k in ("fwd_s", "bwd_s", "batch_s"))
+        n, nbytes, tensors = measured["processes"], measured["grad_bytes"], measured["param_tensors"]
+        ring_s = 2 * (n - 1) * ring["latency_s"] + 2 * (n - 1) / n * nbytes / ring["bandwidth_bytes_per_s"]
+        update_s = update["per_step_s"] + tensors * update["per_tensor_s"] + nbytes / update["param_bytes_per_s"]
+        tail_s = median(p["sync_s"] + p["update_s"] for p in points)
+        timings[measured["key"]] = {
+            "path": measured["path"], "micro_batches": sizes, "processes": n, "grad_bytes": nbytes,
+            "param_tensors": tensors, "fwd_s_per_sample": fwd[1], "fwd_s_per_micro_batch": fwd[0],
+            "bwd_s_per_sample": bwd[1], "bwd_s_per_micro_batch": bwd[0], "batch_s_per_sample": data[1],
+            "batch_s_per_call": data[0], "sync_s": median(p["sync_s"] for p in points),
+            "update_s": median(p["update_s"] for p in points), "tail_in_situ_factor": tail_s / (ring_s + update_s)}
+    return timings
 
 
 def write_calibration(doc: dict[str, Any], out: Path) -> None:

@@ -110,7 +110,10 @@ def worker_main(argv: list[str]) -> int:
         result["compute"][precision] = points
     solo = [dist.new_group([r]) for r in range(args.world)][args.rank]   # new_group is collective
     result["optimizer"] = in_step(lambda: mb.measure_update(device, args.quick, repeats, solo))
-    result["models"] = [in_step(lambda m=m: mb.measure_model(m, device, repeats, MODEL_MICRO_BATCHES))
+    from costmodel.modelbench import computing_group, measure_model
+
+    group, ranks = computing_group(args.world, args.concurrency)
+    result["models"] = [in_step(lambda m=m: measure_model(m, device, repeats, MODEL_MICRO_BATCHES, group, ranks))
                         for m in args.model]
     dist.barrier()
     result["comm"] = mb.measure_comm(args.rank, args.world, args.quick, repeats)

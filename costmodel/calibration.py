@@ -98,6 +98,7 @@ class Calibration:
     ring: AlphaBeta                                  # per-hop latency and bandwidth of the ring model
     framework_bytes: float                           # process memory before any model (torch + group)
     models: Mapping[str, ModelTiming] = field(default_factory=dict)
+    tail_factor: float = 1.0                         # in-situ factor already applied to ring + update
 
     def matches(self, device: DeviceType) -> bool:
         """Whether `device` is the calibrated type: same name, or derived from it (`base:`)."""
@@ -192,17 +193,21 @@ def parse_calibration(data: Any, file: str = "<calibration>") -> Calibration:
             models[key] = ModelTiming(key, m.text("path"), *(m.number(f, positive=False) for f in (
                 "fwd_s_per_sample", "fwd_s_per_micro_batch", "bwd_s_per_sample", "bwd_s_per_micro_batch",
                 "batch_s_per_sample", "batch_s_per_call")))
+    # measured inside a model's training step, the sync + update run slower than their microbenchmarks
+    # predict (`in_situ.tail_factor`): the typed record carries the in-situ figures
+    tail = top.obj("in_situ").number("tail_factor") if "in_situ" in top.data else 1.0
+    ring = _alpha_beta(comm.obj("allreduce_ring"))
     return Calibration(
         source=file, device_name=device.text("name"), description=device.text("description"),
         kind=device.choice("kind", ("cpu", "cuda")),
         measured_at=top.text("measured_at"), concurrent_processes=int(device.number("concurrent_processes")),
         threads_per_process=int(device.number("threads_per_process")), compute=compute,
-        optimizer_s_per_step=optimizer.number("per_step_s", positive=False),
-        optimizer_s_per_tensor=optimizer.number("per_tensor_s", positive=False),
-        optimizer_bytes_per_s=optimizer.number("param_bytes_per_s"),
+        optimizer_s_per_step=optimizer.number("per_step_s", positive=False) * tail,
+        optimizer_s_per_tensor=optimizer.number("per_tensor_s", positive=False) * tail,
+        optimizer_bytes_per_s=optimizer.number("param_bytes_per_s") / tail,
         p2p=_alpha_beta(comm.obj("p2p")), allreduce_2=_alpha_beta(comm.obj("allreduce_2")),
-        ring=_alpha_beta(comm.obj("allreduce_ring")),
-        framework_bytes=top.obj("memory").number("framework_bytes"), models=models)
+        ring=AlphaBeta(ring.latency_s * tail, ring.bandwidth_bytes_s / tail),
+        framework_bytes=top.obj("memory").number("framework_bytes"), models=models, tail_factor=tail)
 
 
 def _op_rates(obj: _Obj, name: str) -> OpClassRates:

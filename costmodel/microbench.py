@@ -30,8 +30,6 @@ from costmodel.ops import OpCounter
 # spread thin, as it is over a stage's many ops.
 CHAIN_OPS = 8
 WARMUP_RUNS = 2
-MODEL_ROUNDS = 3          # model timings alternate their two sizes over this many rounds
-MODEL_BATCH_ROWS = (4, 32)  # rows of `batch(rows, step)` timed: every rank builds the global batch each step
 DISTURB_S = 0.002         # unrelated work before each timed repetition (see the module docstring)
 _DISTURB_BUFFER_ELEMENTS = 1 << 20   # 4 MB of fp32: more than a core's L2 cache
 aten = torch.ops.aten
@@ -252,44 +250,3 @@ def measure_comm(rank: int, world: int, quick: bool, repeats: int) -> dict[str, 
                                               "time_s": median_time_s(lambda b=buf: dist.all_reduce(b),
                                                                       repeats, torch.device("cpu"))})
     return result
-
-
-def measure_model(path: str, device: torch.device, repeats: int, micro_batches: tuple[int, int]) -> dict[str, Any]:
-    """Forward and backward seconds of the whole model and its loss at two micro-batch sizes, on real
-    tensors, the sizes interleaved over `MODEL_ROUNDS` rounds so that load changes hit both alike; and
-    the seconds of the model file's `batch()` at `MODEL_BATCH_ROWS` rows.
-
-    The model is traced as the emitted program traces a stage (torch.export on real weights) and the
-    loss is the model file's, as on a last stage; the key comes from the planner's own trace on meta."""
-    from costmodel.calibration import model_key
-    from planner import frontend
-    from planner.api import trace_model_file
-
-    model_file = frontend.load_model_file(path)
-    _, blocks, _ = trace_model_file(model_file)
-    key = model_key(tuple(b.signature for b in blocks), tuple(b.fwd_flops for b in blocks))
-    torch.manual_seed(0)
-    module = model_file.build().to(device)
-    runs = []
-    for rows in micro_batches:
-        inputs, target = frontend.to_device(frontend.example_batch(model_file, rows), device)
-        gm = frontend.trace(module, inputs, file=path)
-
-        def forward(gm: Any = gm, inputs: Any = inputs, target: Any = target) -> torch.Tensor:
-            out = gm(*inputs)
-            out = out[0] if isinstance(out, tuple | list) and len(out) == 1 else out
-            return model_file.loss_fn(out, target)
-
-        runs.append((rows, forward))
-    samples: dict[int, tuple[list[float], list[float]]] = {rows: ([], []) for rows in micro_batches}
-    for _ in range(MODEL_ROUNDS):
-        for rows, forward in runs:
-            fwd, bwd = fwd_bwd_samples_s(forward, lambda loss: loss.backward(), max(repeats // MODEL_ROUNDS, 2),
-                                         device)
-            samples[rows][0].extend(fwd)
-            samples[rows][1].extend(bwd)
-    points = [{"micro_batch": float(rows), "fwd_s": median(f), "bwd_s": median(b)}
-              for rows, (f, b) in samples.items()]
-    batches = [{"rows": float(rows), "time_s": median_time_s(lambda r=rows: model_file.batch(r, 1), repeats, device)}
-               for rows in MODEL_BATCH_ROWS]
-    return {"key": key, "path": path, "points": points, "batches": batches}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,7 @@ class P2P:
     def __init__(self) -> None:
         self._pending: list[tuple[dist.Work | None, torch.Tensor]] = []
         self.bytes_sent = 0
+        self.recv_wait_s = 0.0      # time blocked in recv: waiting, not computing
 
     def send(self, tensor: torch.Tensor, dst: int, message_tag: int, *, dtype: torch.dtype | None = None,
              compressor: str = "none") -> None:
@@ -100,9 +102,11 @@ class P2P:
         """Receive a value of traced `shape` and `dtype` sent with the same `compressor`."""
         fmt = activations.wire_format(compressor, shape, dtype)
         buf = torch.empty(fmt.shape, dtype=fmt.dtype, device=device)
+        start_s = time.perf_counter()
         work = dist.irecv(buf, src, tag=message_tag)
         if work is not None:      # None only for a rank outside the group
             work.wait()
+        self.recv_wait_s += time.perf_counter() - start_s
         return activations.decode(compressor, buf, shape, dtype)
 
     def wait_sends(self) -> None:

@@ -126,12 +126,13 @@ class StageProgram:
         saved: dict[int, dict[str, Any]] = {}
         loss_sum = 0.0
         for action in actions:
-            start_s = time.perf_counter()
+            start_s, waited_s = time.perf_counter(), self.p2p.recv_wait_s
             if action.kind == "F":
                 loss_sum += self._forward(action.micro, micro[action.micro], saved)
             else:
                 self._backward(action.micro, micro[action.micro], saved)
-            self._emulate_slowdown(time.perf_counter() - start_s)
+            # pad the compute only: time blocked on incoming messages is not slowed down
+            self._emulate_slowdown(time.perf_counter() - start_s - (self.p2p.recv_wait_s - waited_s))
         self.p2p.wait_sends()
         return loss_sum
 
