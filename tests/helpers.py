@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -36,3 +40,31 @@ def run_program(out: Path, steps: int, *, seed: int = 0, lr: float = 1e-3, timeo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = (out / "run" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def spawn_gloo_workers(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, *,
+                       deadline_s: float, store_timeout_s: float = 60.0) -> None:
+    """Run `worker(rank, store_port, *args)` on `nprocs` spawned processes; every child is reaped,
+    also on failure or timeout.
+
+    The rendezvous store lives in this process and binds port 0 itself, so the free port is chosen
+    by the kernel and held from the start (no pick-then-bind race between tests).
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=store_timeout_s))
+    context = mp.start_processes(worker, args=(store.port, *args), nprocs=nprocs, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1.0):          # raises if a worker failed
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{worker.__name__} did not finish in {deadline_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        del store

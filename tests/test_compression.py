@@ -13,13 +13,11 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import datetime  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from backends.compression import (  # noqa: E402
     COMPRESSORS,
@@ -38,6 +36,7 @@ from backends.kernels import (  # noqa: E402
     sign_pack,
     unpack_average,
 )
+from tests.helpers import spawn_gloo_workers  # noqa: E402
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 JOIN_DEADLINE_S = 120.0
@@ -47,7 +46,7 @@ FP16_UNIT_ROUNDOFF, BF16_UNIT_ROUNDOFF = 2.0 ** -11, 2.0 ** -8
 
 # ----------------------------------------------------------------------------- process plumbing
 
-def _worker(rank: int, world_size: int, store_port: int, scenario: str) -> None:
+def _worker(rank: int, store_port: int, world_size: int, scenario: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
@@ -60,26 +59,8 @@ def _worker(rank: int, world_size: int, store_port: int, scenario: str) -> None:
 
 
 def _launch(scenario: str, world_size: int) -> None:
-    """Run `scenario` on `world_size` gloo workers; every child is reaped, also on failure.
-
-    The rendezvous store lives in this process and binds port 0 itself, so the free port is
-    chosen by the kernel and held from the start (no pick-then-bind race between tests).
-    """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=COLLECTIVE_TIMEOUT)
-    context = mp.start_processes(_worker, args=(world_size, store.port, scenario),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_DEADLINE_S
-    try:
-        while not context.join(timeout=1.0):          # raises if a worker failed
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"scenario {scenario!r} did not finish in {JOIN_DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-        del store
+    """Run `scenario` on `world_size` gloo workers; every child is reaped, also on failure."""
+    spawn_gloo_workers(_worker, (world_size, scenario), world_size, deadline_s=JOIN_DEADLINE_S)
 
 
 # ----------------------------------------------------------------------------- inputs

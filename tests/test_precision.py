@@ -14,20 +14,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from backends.torchdist import precision
 from backends.torchdist.emit import emit_program
 from backends.torchdist.reference import train_reference
 from planner.api import PlanOptions, plan
 from planner.ir import Plan
-from tests.helpers import CLUSTERS, EXAMPLES, REPO
+from tests.helpers import CLUSTERS, EXAMPLES, REPO, spawn_gloo_workers
 
 GPT = EXAMPLES / "gpt" / "model.py"
 STEPS = 3
@@ -155,7 +153,7 @@ def test_two_stage_fp16_program_scales_the_loss_on_every_rank(tmp_path):
 
 # ----------------------------------------------------------------------------- loss scaler on gloo
 
-def _overflow_worker(rank: int, world_size: int, port: int) -> None:
+def _overflow_worker(rank: int, port: int, world_size: int) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -178,17 +176,4 @@ def _overflow_worker(rank: int, world_size: int, port: int) -> None:
 
 
 def test_loss_scaler_overflow_on_one_rank_skips_the_step_on_all():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    context = mp.start_processes(_overflow_worker, args=(2, store.port), nprocs=2, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            assert time.monotonic() < deadline, "workers did not finish"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-        del store
+    spawn_gloo_workers(_overflow_worker, (2,), 2, deadline_s=RUN_TIMEOUT_S)

@@ -4,8 +4,9 @@ Stem (3x3 conv, GroupNorm, ReLU), then stages of basic residual blocks
 (conv-GroupNorm-ReLU-conv-GroupNorm plus an identity skip, or a strided 1x1
 conv + GroupNorm projection where the shape changes), global average pooling and a
 linear classifier, plus a long skip: the stem's features go straight to the head (pooled and
-projected), so they cross every pipeline cut between stem and head. GroupNorm rather than BatchNorm: normalisation is per sample, so
-splitting a batch across replicas or micro-batches computes exactly the same thing.
+projected), so they cross every pipeline cut between stem and head. GroupNorm rather than
+BatchNorm: normalisation is per sample, so splitting a batch across replicas or micro-batches
+computes exactly the same thing.
 
 The data: each class has a fixed smooth random template (from a private generator);
 an image is its class template plus Gaussian noise, so the label is learnable.
