@@ -13,6 +13,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import datetime  # noqa: E402
+import gc  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import pytest  # noqa: E402
@@ -55,6 +56,7 @@ def _worker(rank: int, store_port: int, world_size: int, scenario: str) -> None:
         SCENARIOS[scenario](rank, world_size)
         dist.barrier()
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -91,6 +93,10 @@ def _check_onebit_hook_in_ddp(rank: int) -> None:
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     assert _gather_equal(grads)
     assert set(compressor.state.worker_error) == {0}
+    # free DDP's reducer (and the gloo work it holds) now, not during interpreter teardown, where a
+    # gloo thread releasing tensors aborts the process (cf. pytorch#179291)
+    del model
+    gc.collect()
 
 
 def _scenario_hooks(rank: int, world_size: int) -> None:

@@ -24,6 +24,7 @@ Each step appends a JSON line to <out>/metrics.jsonl.
 """
 
 import argparse
+import gc
 import time
 from pathlib import Path
 
@@ -83,6 +84,8 @@ def main() -> None:
     if args.save_final:
         stage.save_final(args.out)
     dist.barrier()
+    del stage, optimizer
+    gc.collect()                                            # release gloo work before teardown
     dist.destroy_process_group()
 
 
