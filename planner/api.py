@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from costmodel import compression, compute
@@ -144,4 +143,4 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     return PlanResult(result, gm, blocks, tables, timings, model_file, spec)
 
 
-__all__ = ["plan", "PlanOptions", "PlanResult", "HetplanError", "torch"]
+__all__ = ["plan", "PlanOptions", "PlanResult", "HetplanError"]

@@ -87,15 +87,11 @@ def load_model_file(path: str | Path, names: dict[str, str] | None = None) -> Mo
 def example_batch(model_file: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]:
     """Call the file's batch() and check its shape: (tuple of inputs, target)."""
     try:
-        result = model_file.batch(batch_size, 0)
-        inputs, target = result
+        return example_batch_for_step(model_file, batch_size, 0)
     except Exception as exc:
         raise ModelFileError(f"batch({batch_size}, 0) failed or did not return (inputs, target): {exc}",
                              file=str(model_file.path), field="batch",
                              fix="return a pair: a tuple of input tensors and a target tensor") from exc
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    return tuple(inputs), target
 
 
 def example_batch_for_step(model_file: ModelFile, batch_size: int, step: int) -> tuple[tuple[Any, ...], Any]:
