@@ -48,6 +48,9 @@ class CostTables:
     inter_bandwidth_bytes_s: float
     inter_latency_s: float
     block_signatures: tuple[str, ...] = ()
+    # parameters read by more than one block (tied weights): (those blocks, bytes); each block's
+    # grad_bytes counts them too
+    tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
 def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, trace_batch: int,
@@ -90,4 +93,15 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         grad_bytes=tuple(b.param_bytes for b in blocks),
         inter_bandwidth_bytes_s=inter.bandwidth_bytes_s,
         inter_latency_s=inter.latency_s,
-        block_signatures=tuple(b.signature for b in blocks))
+        block_signatures=tuple(b.signature for b in blocks), tied=tied_parameters(blocks))
+
+
+def tied_parameters(blocks: list[Block]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """Parameters several blocks read, with the blocks and the parameter's bytes."""
+    readers: dict[str, list[int]] = {}
+    size: dict[str, float] = {}
+    for i, b in enumerate(blocks):
+        for p, nbytes in zip(b.params, b.param_sizes):
+            readers.setdefault(p, []).append(i)
+            size[p] = nbytes
+    return tuple((tuple(r), size[p]) for p, r in sorted(readers.items()) if len(r) > 1)

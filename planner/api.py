@@ -23,7 +23,7 @@ from passes.verify import verify_plan
 from planner import frontend
 from planner.errors import HetplanError, PlanningError
 from planner.ir import Plan, PlanInputs
-from planner.search import strategies
+from planner.search import baselines, runners_up, strategies
 from planner.spec import ClusterSpec, load_cluster
 
 DEFAULT_TRACE_BATCH = 2
@@ -46,6 +46,7 @@ class PlanOptions:
     time_limit_s: float = 10.0         # solver work limit (CP-SAT deterministic seconds)
     max_blocks: int = 96
     calibration: str | None = None     # `plan profile` file: measured figures replace datasheet ones
+    runners_up: bool = True            # also plan the baselines and simulate all, for `plan inspect`
     names: dict[str, str] = field(default_factory=dict)
 
     def as_pairs(self) -> tuple[tuple[str, str], ...]:
@@ -101,6 +102,21 @@ def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Bl
         kernel_launch_s=tuple(compute.op_overhead_s(g.device) for g in spec.nodes))
 
 
+def _baselines(options: PlanOptions, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
+               inputs: PlanInputs) -> list[tuple[str, Plan]]:
+    """Every baseline strategy's plan that fits (for the runners-up), unless one was asked for."""
+    if options.strategy in baselines.SOLVERS:
+        return []
+    out = []
+    for name in baselines.SOLVERS:
+        try:
+            out.append((name, baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs,
+                                            options=options)))
+        except PlanningError:
+            continue
+    return out
+
+
 def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOptions | None = None) -> PlanResult:
     """Plan training of the model in file `model` on `cluster`. Raises HetplanError subclasses."""
     options = options or PlanOptions()
@@ -135,10 +151,15 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"))
 
     t0 = time.perf_counter()
-    result = strategies.run(options.strategy, tables=tables, blocks=blocks, spec=spec, inputs=inputs,
-                            options=options)
+    result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
+                                                            spec=spec, inputs=inputs, options=options)
     timings["search_s"] = time.perf_counter() - t0
     verify_plan(result, spec)
+    if options.runners_up:
+        t0 = time.perf_counter()
+        result = runners_up.with_runners_up(result, alternatives + _baselines(options, tables, blocks, spec, inputs),
+                                            spec)
+        timings["runners_up_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - start
     return PlanResult(result, gm, blocks, tables, timings, model_file, spec)
 

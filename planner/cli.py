@@ -52,6 +52,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ir", action="store_true", help="write the graph after each pass to OUT/ir/")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file from `plan profile`: measured figures replace the datasheet's")
+    p.add_argument("--no-runners-up", action="store_true",
+                   help="skip planning and simulating the baselines and the other topology regime "
+                        "(`plan inspect` then cannot say why this plan won)")
     return p
 
 
@@ -86,7 +89,7 @@ def cmd_plan(argv: list[str]) -> int:
                           time_limit_s=args.time_limit, use_all_devices=args.use_all_devices,
                           micro_batch=args.micro_batch, compression=args.compression,
                           activation_compression=args.activation_compression,
-                          calibration=args.calibration,
+                          calibration=args.calibration, runners_up=not args.no_runners_up,
                           names={k: v for k, v in names.items() if v != k})
     result = plan(args.model, args.cluster, options)
     text = summary(result.plan)
@@ -109,7 +112,7 @@ def _timings_json(timings: dict[str, float]) -> str:
 
 
 def cmd_inspect(argv: list[str]) -> int:
-    from backends.report.terminal import memory_table, simulation_section, summary
+    from backends.report.terminal import memory_table, runners_up_section, simulation_section, summary
     from planner.ir import Plan
     from planner.spec import load_cluster
 
@@ -120,6 +123,7 @@ def cmd_inspect(argv: list[str]) -> int:
     args = p.parse_args(argv)
     plan = Plan.load(args.out)
     print(summary(plan))
+    print(runners_up_section(plan) + "\n")
     print(memory_table(plan) + "\n")
     spec_path = args.cluster or plan.inputs.cluster_path
     if spec_path and Path(spec_path).is_file():

@@ -105,6 +105,20 @@ class Estimates:
 
 
 @dataclass(frozen=True)
+class RunnerUp:
+    """Another plan the search considered, under the same cost model and simulator."""
+
+    name: str                     # `ilp one-node`, a baseline strategy, ...
+    estimated_iteration_s: float
+    simulated_iteration_s: float
+    pipeline_s: float
+    sync_s: float
+    devices_used: int
+    layout: str                   # replicas as `group:stages x count`
+    why_slower: str               # against the chosen plan, in words
+
+
+@dataclass(frozen=True)
 class SolverFacts:
     strategy: str
     status: str
@@ -112,7 +126,8 @@ class SolverFacts:
     bound_s: float
     gap: float
     configurations: int
-    runners_up: tuple[str, ...] = ()
+    runners_up: tuple[RunnerUp, ...] = ()
+    simulated_iteration_s: float | None = None   # the chosen plan under backends.sim
 
 
 @dataclass(frozen=True)

@@ -89,3 +89,21 @@ def test_mlp_gpipe_schedule_matches_single_process(tmp_path):
     assert {r.schedule for r in plan.replicas} == {"gpipe"}
     assert any(len(set(r.micro_batch_sizes)) > 1 for r in plan.replicas)   # uneven last micro-batch
     _check_against_reference(out, plan, "mlp")
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_across_device_types_matches_single_process(tmp_path):
+    # four stages need both device types: one pipeline, its stages balanced by each type's speed
+    out = tmp_path / "out"
+    proc = run_plan_cli(str(EXAMPLES / "gpt" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
+                        "--global-batch", "16", "--stages", "4", "--use-all-devices", "--micro-batch", "2",
+                        "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(out)
+    [replica] = plan.replicas
+    types = [st.device_type for st in replica.stages]
+    assert set(types) == {"cpu-fast", "cpu-slow"} and replica.node_group in ("fast+slow", "slow+fast")
+    blocks = {t: sum(st.last_block - st.first_block + 1 for st in replica.stages if st.device_type == t)
+              for t in set(types)}
+    assert blocks["cpu-fast"] > blocks["cpu-slow"]        # the 3x slower devices get fewer blocks
+    _check_against_reference(out, plan, "gpt")

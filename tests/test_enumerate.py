@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
 from planner.api import PlanOptions, plan
-from planner.search import ilp
-from planner.search.enumerate import all_items, shape_grad_bytes, solve_exact, to_ns
+from planner.search import align, ilp
+from planner.search.enumerate import all_items, solve_exact, to_ns
+from planner.search.sync import split_sync_s
 from planner.spec import Link
 from tests import synthetic as syn
 from tests.helpers import CLUSTERS, EXAMPLES
@@ -78,41 +78,42 @@ def test_ilp_matches_exact_enumeration_with_all_devices(seed):
 
 # ---- the enumeration's reduction against literal multisets of items ---------------------------------
 def _brute_force_ns(tabs: CostTables, configs: list[ilp.Config]) -> int | None:
-    """Every multiset of items per class within its devices; the ILP's objective, both regimes."""
+    """Every multiset of items per class within its devices whose splits have nested cuts; the ILP's
+    objective, both regimes."""
     items = all_items(tabs, configs)
-    grads = shape_grad_bytes(tabs, configs)
     grid = ilp.replica_grid(sum(t.num_devices for t in tabs.classes))
     inter = Link("inter", tabs.inter_bandwidth_bytes_s, tabs.inter_latency_s)
-    per_class = []
-    for ci, t in enumerate(tabs.classes):
-        mine = [it for it in items if configs[it.config].cls == ci]
-        options = [()]
-        for r in range(1, t.num_devices + 1):
-            options += [c for c in itertools.combinations_with_replacement(mine, r)
-                        if sum(configs[it.config].num_stages for it in c) <= t.num_devices]
-        per_class.append(options)
+    budget = [t.num_devices for t in tabs.classes]
+
+    def fits(multiset) -> bool:
+        return all(sum(configs[it.config].devices_of(ci) for it in multiset) <= budget[ci]
+                   for ci in range(len(budget)))
+
     best = None
-    for combo in itertools.product(*per_class):
-        used = [it for multiset in combo for it in multiset]
-        if not used or sum(it.capacity for it in used) < tabs.global_batch:
-            continue
-        R = len(used)
-        grid_R = next(g for g in grid if g >= R)
-        shapes = {(configs[it.config].cls, configs[it.config].num_stages) for it in used}
-        pipe = max(it.time_ns for it in used)
-        for one_node in (False, True):
-            if one_node:
-                per_shape = {s: sum(configs[it.config].num_stages for it in used
-                                    if (configs[it.config].cls, configs[it.config].num_stages) == s) for s in shapes}
-                if len({c for c, _ in shapes}) > 1 or any(n > tabs.classes[c].per_node
-                                                          for (c, _), n in per_shape.items()):
-                    continue
-            def link(ci: int, one_node: bool = one_node) -> Link:
-                t = tabs.classes[ci]
-                return Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
-            sync = max(to_ns(ring_allreduce_s(grads[s], grid_R, link(s[0]))) for s in shapes)
-            if best is None or pipe + sync < best:
-                best = pipe + sync
+    for r in range(1, sum(budget) + 1):
+        for used in itertools.combinations_with_replacement(items, r):
+            if sum(it.capacity for it in used) < tabs.global_batch or not fits(used):
+                continue
+            splits = {configs[it.config].split.bounds for it in used}
+            if any(not align.nested(a, b) for a in splits for b in splits):
+                continue
+            split_of = {configs[it.config].shape: configs[it.config].split.bounds for it in used}
+            grid_R = next(g for g in grid if g >= r)
+            pipe = max(it.time_ns for it in used)
+            for one_node in (False, True):
+                if one_node:
+                    classes = {ci for shape in split_of for ci in shape}
+                    if len(classes) > 1 or sum(len(configs[it.config].shape) for it in used) > \
+                            tabs.classes[next(iter(classes))].per_node:
+                        continue
+
+                def link(ci: int, one_node: bool = one_node) -> Link:
+                    t = tabs.classes[ci]
+                    return Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
+                sync = max(to_ns(split_sync_s(tabs, s[0], b, [grid_R], link(s[0]),
+                                              ilp.overlap_of(tabs, configs, s, b))[0]) for s, b in split_of.items())
+                if best is None or pipe + sync < best:
+                    best = pipe + sync
     return best
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
 import pytest
 
-from planner.search import ilp
-from planner.search.split import solve_split, stage_costs
+from costmodel.network import ring_allreduce_s
+from planner.search import align, ilp, sync
+from planner.search.split import Lane, solve_shared_bounds, solve_split, stage_costs
+from planner.spec import Link
 from tests import synthetic as syn
 
 
@@ -84,3 +87,84 @@ def test_solution_reports_optimality():
     tabs = syn.tables([t], 8)
     sol = ilp.solve(tabs, ilp.build_configs(tabs))
     assert sol.status == "OPTIMAL" and sol.bound_s == pytest.approx(sol.objective_s)
+
+
+# ---- aligned gradient groups across classes (planner.search.align) ------------------------------------
+def _opposite_profiles(N: int = 6):
+    """Two classes whose own best 2-stage splits differ: one is slow on early blocks, one on late."""
+    early = syn.table("early", 1.0, blocks=N, devices=2, per_node=2, block_s=[3e-3] * 2 + [1e-3] * (N - 2))
+    late = syn.table("late", 1.0, blocks=N, devices=2, per_node=2, block_s=[1e-3] * (N - 2) + [3e-3] * 2)
+    return early, late
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_shared_split_is_optimal_against_enumeration(seed):
+    rng = random.Random(100 + seed)
+    N = rng.randint(3, 8)
+    tabs = [syn.random_table(rng, f"c{i}", N, 4) for i in range(rng.choice([2, 3]))]
+    S = rng.randint(1, min(N, 4))
+    own = [solve_split(t, S, 2, 1e10, 5e-6, (1e6,) * N) for t in tabs]
+    if any(o is None for o in own):
+        return
+    lanes = [Lane(t, 1e10, 5e-6, False, o.max_stage_s) for t, o in zip(tabs, own)]
+    got = solve_shared_bounds(lanes, S, 2)
+
+    def worst(bounds):
+        splits = [stage_costs(t, bounds, 2, 1e10, 5e-6, (1e6,) * N) for t in tabs]
+        if any(m > t.capacity_bytes for t, s in zip(tabs, splits) for m in s.stage_memory_bytes):
+            return None
+        return max(s.max_stage_s / o.max_stage_s for s, o in zip(splits, own))
+
+    candidates = [w for cuts in itertools.combinations(range(1, N), S - 1)
+                  if (w := worst((0, *cuts, N))) is not None]
+    if not candidates:
+        assert got is None
+        return
+    assert got is not None and worst(got) == pytest.approx(min(candidates), rel=1e-9)
+
+
+def test_replicas_on_different_classes_keep_nested_cuts():
+    early, late = _opposite_profiles()
+    tabs = syn.tables([early, late], 16, grad_gib=[0.5] * 6)
+    own = {ci: solve_split(t, 2, 1, t.intra_bandwidth_bytes_s, t.intra_latency_s, tabs.grad_bytes).bounds
+           for ci, t in enumerate(tabs.classes)}
+    assert own[0] != own[1]                    # each class alone would cut elsewhere
+    sol = ilp.solve(tabs, ilp.build_configs(tabs, fixed_stages=2), use_all_devices=True)
+    bounds = {c.config.split.bounds for c in sol.choices}
+    assert {ci for c in sol.choices for ci in c.config.classes} == {0, 1}
+    assert all(align.nested(a, b) for a in bounds for b in bounds)
+    assert len(bounds) == 1                    # same stage count: the same cuts
+
+
+def test_nested_cuts():
+    assert align.nested((0, 2, 4), (0, 1, 2, 3, 4))
+    assert align.nested((0, 4), (0, 2, 4))
+    assert not align.nested((0, 2, 4), (0, 3, 4))
+    assert align.conflicts([(0, 2, 4), (0, 3, 4), (0, 4)]) == [(0, 1)]
+
+
+def test_tied_weights_add_a_collective_on_each_holder():
+    # 4 blocks of 1 GiB gradients each; a 0.25 GiB parameter read by blocks 0 and 3 (counted in both)
+    tabs = dataclasses.replace(syn.tables([syn.table("x", 1.0, blocks=4, devices=4, per_node=4)], 8,
+                                          grad_gib=[4.0] * 4), tied=(((0, 3), 0.25 * syn.GIB),))
+    one_stage = sync.stage_sync_parts(tabs, (0, 4))
+    assert one_stage == [(4 * syn.GIB - 0.25 * syn.GIB, [])]          # one holder: in its own group once
+    two = sync.stage_sync_parts(tabs, (0, 2, 4))
+    assert two == [(1.75 * syn.GIB, [(0.25 * syn.GIB, 2)])] * 2
+    link = Link("inter", 10e9, 1e-3)
+    got = sync.split_sync_s(tabs, 0, (0, 2, 4), [4], link)
+    want = ring_allreduce_s(1.75 * syn.GIB, 4, link) + ring_allreduce_s(0.25 * syn.GIB, 8, link)
+    assert got == [pytest.approx(want)]
+
+
+def test_sync_of_a_later_stage_overlaps_the_drain_of_earlier_ones():
+    # stage 1 has 3x the gradient bytes of stage 0 but finishes its last backward while stage 0 runs its own
+    t = syn.table("x", 1.0, blocks=4, devices=4, per_node=4, block_s=[3e-3] * 4, overhead_s=0.0)
+    tabs = syn.tables([t], 8, grad_gib=[0.5, 0.5, 1.5, 1.5])
+    link = Link("inter", 10e9, 1e-5)
+    overlap = sync.drain_overlap_s(tabs, (0, 0), (0, 2, 4), micro_batch=2)
+    assert overlap == [0.0, pytest.approx(2 * 2 * 2e-3)]       # two blocks of stage 0, backward 2 ms each
+    s0 = ring_allreduce_s(1.0 * syn.GIB / 4, 4, link)
+    s1 = ring_allreduce_s(3.0 * syn.GIB / 4, 4, link)
+    assert sync.split_sync_s(tabs, 0, (0, 2, 4), [4], link, overlap) == [pytest.approx(max(s0, s1 - overlap[1]))]
+    assert sync.split_sync_s(tabs, 0, (0, 2, 4), [4], link) == [pytest.approx(s1)]

@@ -56,6 +56,25 @@ def summary(plan: Plan) -> str:
     return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n"
 
 
+def runners_up_section(plan: Plan) -> str:
+    """Why this plan: the alternatives the search saw, simulated on the same clock."""
+    s = plan.solver
+    if not s.runners_up:
+        return "(no runners-up recorded: planned with a baseline strategy or --no-runners-up)"
+    chosen = [f"{s.strategy} (chosen)", format_time(plan.estimates.iteration_s),
+              format_time(s.simulated_iteration_s) if s.simulated_iteration_s is not None else "-",
+              str(plan.world_size), _layout(plan), "-"]
+    rows = [chosen] + [[u.name, format_time(u.estimated_iteration_s), format_time(u.simulated_iteration_s),
+                        str(u.devices_used), u.layout, u.why_slower] for u in s.runners_up]
+    return "why this plan:\n" + _table(["plan", "est step", "sim step", "devices", "layout", "vs chosen"], rows)
+
+
+def _layout(plan: Plan) -> str:
+    from planner.search.runners_up import layout
+
+    return layout(plan)
+
+
 def memory_table(plan: Plan) -> str:
     """Estimated peak memory per rank against its device, fullest first."""
     e = plan.estimates

@@ -39,36 +39,47 @@ class _Replica:
         return self.config.replica_time_s(math.ceil(share / self.config.micro_batch))
 
 
+def _take(free: dict[int, list[Device]], count: int, per_node: int) -> list[Device]:
+    """`count` devices of one class: inside one node when they fit in one, else whole nodes."""
+    if count <= per_node:
+        node = next((n for n, ds in free.items() if len(ds) >= count), None)
+        if node is None:
+            node = max(free, key=lambda n: len(free[n]))
+        taken = free[node][:count]
+        free[node] = free[node][count:]
+        if len(taken) < count:  # packing spilled over: take the rest from other nodes
+            for n in sorted(free):
+                while len(taken) < count and free[n]:
+                    taken.append(free[n].pop(0))
+        return taken
+    taken = []
+    for n in sorted(free):
+        if len(taken) < count and len(free[n]) == per_node:
+            taken.extend(free[n])
+            free[n] = []
+    return taken[:count]
+
+
 def _allocate(spec: ClusterSpec, tables: CostTables, choices: tuple[Choice, ...]) -> list[_Replica]:
-    """Give each replica devices: inside one node when the pipeline fits in one, else whole nodes."""
+    """Give each replica devices: pipelines across classes first (each portion inside one node when
+    it fits in one, else whole nodes), then each class's pipelines, deepest first."""
+    free: list[dict[int, list[Device]]] = []
+    all_devices = spec.devices()
+    for table in tables.classes:
+        pool: dict[int, list[Device]] = {}
+        for d in all_devices:
+            if d.group == table.name:
+                pool.setdefault(d.node, []).append(d)
+        free.append(pool)
+    order = sorted(choices, key=lambda c: (not c.config.stage_classes, c.config.cls, -c.config.num_stages))
     replicas: list[_Replica] = []
-    for ci, table in enumerate(tables.classes):
-        devices = [d for d in spec.devices() if d.group == table.name]
-        free: dict[int, list[Device]] = {}
-        for d in devices:
-            free.setdefault(d.node, []).append(d)
-        mine = sorted((c for c in choices if c.config.cls == ci), key=lambda c: -c.config.num_stages)
-        for choice in mine:
-            S = choice.config.num_stages
-            for _ in range(choice.replicas):
-                if S <= table.per_node:
-                    node = next((n for n, ds in free.items() if len(ds) >= S), None)
-                    if node is None:
-                        node = max(free, key=lambda n: len(free[n]))
-                    taken = free[node][:S]
-                    free[node] = free[node][S:]
-                    if len(taken) < S:  # packing spilled over: take the rest from other nodes
-                        for n in sorted(free):
-                            while len(taken) < S and free[n]:
-                                taken.append(free[n].pop(0))
-                else:
-                    taken = []
-                    for n in sorted(free):
-                        if len(taken) < S and len(free[n]) == table.per_node:
-                            taken.extend(free[n])
-                            free[n] = []
-                    taken = taken[:S]
-                replicas.append(_Replica(choice.config, choice.share, taken))
+    for choice in order:
+        portions = list(dict.fromkeys(choice.config.classes))
+        for _ in range(choice.replicas):
+            taken: list[Device] = []
+            for ci in portions:
+                taken += _take(free[ci], choice.config.devices_of(ci), tables.classes[ci].per_node)
+            replicas.append(_Replica(choice.config, choice.share, taken))
     return replicas
 
 
@@ -121,7 +132,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
     busy_by_rank: list[float] = []
     device_labels: list[str] = []
     for ri, rep in enumerate(replicas):
-        cfg, table = rep.config, tables.classes[rep.config.cls]
+        cfg = rep.config
         S = cfg.num_stages
         micro_sizes = _micro_sizes(rep.share, cfg.micro_batch)
         stages = []
@@ -132,6 +143,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 params.extend(p for p in blocks[b].params if p not in params)
             for p in params:
                 holders.setdefault(p, []).append(rank)
+            table = tables.classes[cfg.classes[s]]
             fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if cfg.split.recompute else 1)
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))
@@ -151,11 +163,11 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))
             device_labels.append(dev.label)
             if s > 0:
-                p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank,
-                                   table.boundary_bytes[lo - 1], "none"))
+                sender = tables.classes[cfg.classes[s - 1]]
+                p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank, sender.boundary_bytes[lo - 1], "none"))
             rank += 1
-        replica_plans.append(ReplicaPlan(ri, table.name, tuple(stages), rep.share, micro_sizes, schedule,
-                                         rep.time_s()))
+        group = "+".join(tables.classes[ci].name for ci in dict.fromkeys(cfg.classes))
+        replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, schedule, rep.time_s()))
 
     all_devices = spec.devices()
     rank_device = {st.rank: all_devices[st.device] for rp in replica_plans for st in rp.stages}

@@ -7,13 +7,14 @@ exact split of (class, S, m) (split.solve_split, via ilp.build_configs). The obj
 ilp._solve_regime's, in the same integer nanoseconds:
 
     T_pipe = max over used items of (M + S - 1) * ns(slowest stage) + ns(optimizer)
-    T_sync = max over used (class, S) shapes of ns(ring_allreduce(grad(shape), grid_ceil(R), link))
+    T_sync = max over used (class, S) shapes of ns(sync(split(shape), grid_ceil(R), link))
     minimise T_pipe + T_sync, best of the two topology regimes
 
-where R counts all replicas, grid_ceil rounds R up to ilp.replica_grid, grad(shape) is the
-largest stage gradient over the shape's items that the ILP's model contains (ilp.pareto_items)
-and link is the network (spread regime) or the class's intra-node link (one-node regime: one
-class only, and each shape's replicas fit in one node).
+where R counts all replicas, grid_ceil rounds R up to ilp.replica_grid, sync is
+planner.search.sync.split_sync_s (the shape's slowest stage, tied groups included), and link is
+the network (spread regime) or the class's intra-node link (one-node regime: one class only, and
+each shape's replicas fit in one node). Splits used together must have nested cuts
+(planner.search.align): the enumeration runs per maximal family of such splits.
 
 Enumerating multisets item by item grows too fast even at six devices, so the enumeration runs
 over (replica counts per shape, pipeline time level) instead, which is exact: with the shapes'
@@ -26,23 +27,24 @@ literal multiset enumeration on tiny cases.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import networkx as nx
 import numpy as np
 
-from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
 from planner.errors import PlanningError
-from planner.search import ilp
+from planner.search import align, ilp
 from planner.search.split import NS_PER_S
+from planner.search.sync import split_sync_s
 from planner.spec import Link
 
 MAX_ASSIGNMENTS = 2_000_000      # replica-count vectors per regime; beyond this, use the ILP
 MAX_MICRO_BATCHES = 256          # ilp.pareto_items' default bound on M
 
-Shape = tuple[int, int]          # (class, stage count)
+Shape = tuple[int, ...]          # the device class of each stage (ilp.Config.shape)
 
 
 @dataclass(frozen=True)
@@ -80,28 +82,38 @@ def all_items(tables: CostTables, configs: list[ilp.Config], max_micro: int = MA
     return items
 
 
-def shape_grad_bytes(tables: CostTables, configs: list[ilp.Config]) -> dict[Shape, float]:
-    """Gradient bytes the ILP charges a shape's sync with: the largest stage gradient over the
-    configurations of its items in the model (the Pareto items, whichever micro-batch is used)."""
-    out: dict[Shape, float] = {}
-    for it in ilp.pareto_items(tables, configs):
-        c = configs[it.config]
-        key = (c.cls, c.num_stages)
-        out[key] = max(out.get(key, 0.0), max(c.split.stage_grad_bytes))
-    return out
+def shape_splits(configs: list[ilp.Config], items: list[Item]) -> dict[Shape, tuple[int, ...]]:
+    """The split of each shape (within one family of nested splits a shape has one)."""
+    return {configs[it.config].shape: configs[it.config].split.bounds for it in items}
 
 
-def _count_vectors(shapes: list[Shape], devices: int, exact: bool) -> list[tuple[int, ...]]:
-    """Replica counts per shape of one class using at most (`exact`: exactly) `devices` devices."""
+def split_families(configs: list[ilp.Config], items: list[Item]) -> list[frozenset[tuple[int, ...]]]:
+    """Maximal sets of splits that may be used together (pairwise nested cuts, planner.search.align)."""
+    splits = sorted({configs[it.config].split.bounds for it in items}, key=lambda b: (len(b), b))
+    graph = nx.Graph()
+    graph.add_nodes_from(range(len(splits)))
+    graph.add_edges_from((i, j) for i in range(len(splits)) for j in range(i + 1, len(splits))
+                         if align.nested(splits[i], splits[j]))
+    return [frozenset(splits[i] for i in clique) for clique in nx.find_cliques(graph)]
+
+
+def _count_vectors(shapes: list[Shape], devices: list[int], exact: bool) -> list[tuple[int, ...]]:
+    """Replica counts per shape using at most (`exact`: exactly) each class's `devices`."""
+    use = [[shape.count(ci) for ci in range(len(devices))] for shape in shapes]
     out: list[tuple[int, ...]] = []
-    def extend(i: int, left: int, prefix: tuple[int, ...]) -> None:
+
+    def extend(i: int, left: list[int], prefix: tuple[int, ...]) -> None:
         if i == len(shapes):
-            if not exact or left == 0:
+            if not exact or not any(left):
                 out.append(prefix)
+                if len(out) > MAX_ASSIGNMENTS:
+                    raise PlanningError(f"exact enumeration would examine over {MAX_ASSIGNMENTS:,} replica-count "
+                                        "vectors", fix="use --strategy ilp on instances this large")
             return
-        for n in range(left // shapes[i][1] + 1):
-            extend(i + 1, left - n * shapes[i][1], (*prefix, n))
-    extend(0, devices, ())
+        most = min(left[ci] // k for ci, k in enumerate(use[i]) if k)
+        for n in range(most + 1):
+            extend(i + 1, [l - n * k for l, k in zip(left, use[i])], (*prefix, n))
+    extend(0, list(devices), ())
     return out
 
 
@@ -123,7 +135,7 @@ def _capacity_by_level(items: list[Item], configs: list[ilp.Config], shapes: lis
     best: list[list[Item | None]] = [[None] * len(levels) for _ in shapes]
     first_level = np.zeros(len(shapes), dtype=np.int64)
     for h, shape in enumerate(shapes):
-        mine = sorted((it for it in items if (configs[it.config].cls, configs[it.config].num_stages) == shape),
+        mine = sorted((it for it in items if configs[it.config].shape == shape),
                       key=lambda it: (it.time_ns, -it.capacity, it.config, it.micro_batches))
         first_level[h] = int(np.searchsorted(levels, mine[0].time_ns))
         top: Item | None = None
@@ -140,52 +152,60 @@ def _capacity_by_level(items: list[Item], configs: list[ilp.Config], shapes: lis
 
 def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, used: np.ndarray) -> bool:
     """One class only, and all its replicas together within one node."""
-    classes = {shapes[h][0] for h in used}
+    classes = {ci for h in used for ci in shapes[h]}
     if len(classes) > 1:
         return False
     per_node = tables.classes[next(iter(classes))].per_node
-    return sum(int(counts[h]) * shapes[h][1] for h in used) <= per_node
+    return sum(int(counts[h]) * len(shapes[h]) for h in used) <= per_node
 
 
 def solve_exact(tables: CostTables, configs: list[ilp.Config], use_all_devices: bool = False,
                 ) -> ExactResult | None:
-    """The optimum of the ILP's model by enumeration; None when nothing covers the batch."""
-    items = all_items(tables, configs)
-    if not items:
-        return None
+    """The optimum of the ILP's model by enumeration; None when nothing covers the batch.
+
+    Splits combine only when their cuts are nested, so the enumeration runs once per maximal family
+    of such splits (within a family each (class, stage count) has one split) and keeps the best."""
+    every = all_items(tables, configs)
+    best: ExactResult | None = None
+    examined = 0
+    for family in split_families(configs, every):
+        items = [it for it in every if configs[it.config].split.bounds in family]
+        result = _solve_family(tables, configs, items, use_all_devices)
+        if result is None:
+            continue
+        examined += result.assignments
+        if best is None or (to_ns(result.objective_s), to_ns(result.pipeline_s)) < \
+                (to_ns(best.objective_s), to_ns(best.pipeline_s)):
+            best = result
+    return None if best is None else dataclasses.replace(best, assignments=examined)
+
+
+def _solve_family(tables: CostTables, configs: list[ilp.Config], items: list[Item], use_all_devices: bool,
+                  ) -> ExactResult | None:
     B = tables.global_batch
-    shapes = sorted({(configs[it.config].cls, configs[it.config].num_stages) for it in items})
+    shapes = sorted({configs[it.config].shape for it in items})
     levels = np.array(sorted({it.time_ns for it in items}), dtype=np.int64)
     cap, best, first_level = _capacity_by_level(items, configs, shapes, levels)
-    grads = shape_grad_bytes(tables, configs)
+    splits = shape_splits(configs, items)
     max_replicas = sum(t.num_devices for t in tables.classes)
     grid = ilp.replica_grid(max_replicas)
     grid_at = _grid_index(grid)
     inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
 
-    per_class = []
-    for ci, table in enumerate(tables.classes):
-        of_class = [h for h, (c, _) in enumerate(shapes) if c == ci]
-        per_class.append((of_class, _count_vectors([shapes[h] for h in of_class], table.num_devices,
-                                                    use_all_devices)))
-    total = math.prod(len(vectors) for _, vectors in per_class)
-    if total > MAX_ASSIGNMENTS:
-        raise PlanningError(f"exact enumeration would examine {total:,} replica-count vectors "
-                            f"(limit {MAX_ASSIGNMENTS:,})", fix="use --strategy ilp on instances this large")
+    vectors = _count_vectors(shapes, [t.num_devices for t in tables.classes], use_all_devices)
 
     found: tuple[int, int, int, bool, np.ndarray] | None = None   # (objective, pipe, sync, one_node, counts)
     examined = 0
     for one_node in ([False] if use_all_devices else [False, True]):
         link_of: dict[int, list[int]] = {}
-        for h, (ci, _) in enumerate(shapes):
-            t = tables.classes[ci]
+        for h, shape in enumerate(shapes):
+            t = tables.classes[shape[0]]
             link = Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
-            g = grads.get(shapes[h], 0.0)
-            link_of[h] = [to_ns(ring_allreduce_s(g, n, link)) for n in grid]
-        for combo in itertools.product(*(vectors for _, vectors in per_class)):
-            counts = np.zeros(len(shapes), dtype=np.int64)
-            for (of_class, _), vec in zip(per_class, combo):
-                counts[of_class] = vec
+            bounds = splits[shape]
+            overlap = ilp.overlap_of(tables, configs, shape, bounds)
+            link_of[h] = [to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap)]
+        for vec in vectors:
+            counts = np.array(vec, dtype=np.int64)
             R = int(counts.sum())
             if R == 0:
                 continue

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from costmodel.compression import shape_sync_s
 from costmodel.tables import CostTables
-from planner.search.split import NS_PER_S, Split, solve_split
+from planner.search import align, hetero
+from planner.search.split import NS_PER_S, Split
+from planner.search.sync import drain_overlap_s, split_sync_s
 from planner.spec import Link
 
 
@@ -39,6 +40,22 @@ class Config:
     split: Split
     optimizer_s: float
     intra_node: bool            # the whole pipeline sits inside one node
+    # per stage, when the pipeline spans device classes (planner.search.hetero); else all `cls`
+    stage_classes: tuple[int, ...] = ()
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        """The device class of each stage."""
+        return self.stage_classes or (self.cls,) * self.num_stages
+
+    def devices_of(self, cls: int) -> int:
+        """Devices of class `cls` one replica takes."""
+        return self.classes.count(cls)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What a replica occupies: the class of each stage (a single class's shape is (c,) * S)."""
+        return self.classes
 
     def replica_time_s(self, micro_batches: int) -> float:
         """One replica's iteration with M micro-batches: every stage once (fill and drain), then
@@ -96,24 +113,50 @@ def stage_count_options(num_blocks: int, num_devices: int, per_node: int,
 
 
 def build_configs(tables: CostTables, fixed_stages: int | None = None,
-                  fixed_micro_batch: int | None = None) -> list[Config]:
-    configs = []
+                  fixed_micro_batch: int | None = None, mixed_pipelines: bool = True) -> list[Config]:
+    """Per (class, stage count, micro-batch size) a configuration with its stage split: per stage
+    count one split shared by the classes where it fits (aligned gradient groups, planner.search.align);
+    and pipelines whose stages span two classes (planner.search.hetero)."""
+    micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
+    by_stages: dict[int, list[int]] = {}
     for ci, table in enumerate(tables.classes):
         for S in stage_count_options(tables.num_blocks, table.num_devices, table.per_node, fixed_stages):
-            intra = S <= table.per_node
-            bw = table.intra_bandwidth_bytes_s if intra else tables.inter_bandwidth_bytes_s
-            lat = table.intra_latency_s if intra else tables.inter_latency_s
-            micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
-            for m in micro_options:
-                split = solve_split(table, S, m, bw, lat, tables.grad_bytes)
-                if split is None:   # recompute trades a second forward for memory
-                    split = solve_split(table, S, m, bw, lat, tables.grad_bytes, recompute=True)
-                if split is None:
-                    continue
-                opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1]))
-                          for s in range(S))
-                configs.append(Config(ci, S, m, split, opt, intra))
-    return configs
+            by_stages.setdefault(S, []).append(ci)
+    configs = []
+    shared_by_stages = {}
+    for S, classes in sorted(by_stages.items()):
+        own = align.own_splits(tables, classes, S, micro_options)
+        shared = align.shared_bounds(tables, classes, S, micro_options, own)
+        if shared is not None and S > 1:
+            shared_by_stages[S] = shared
+        for ci in classes:
+            configs.extend(make_config(tables, ci, split, m)
+                           for m, split in align.class_splits(tables, ci, S, micro_options, shared, own))
+    if mixed_pipelines:
+        configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
+    return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes))
+
+
+def stage_link(tables: CostTables, cls: int, num_stages: int) -> tuple[float, float]:
+    """Bandwidth and latency between a pipeline's stages: the node's link when it fits in one node."""
+    table = tables.classes[cls]
+    if num_stages <= table.per_node:
+        return table.intra_bandwidth_bytes_s, table.intra_latency_s
+    return tables.inter_bandwidth_bytes_s, tables.inter_latency_s
+
+
+def make_config(tables: CostTables, cls: int, split: Split, micro_batch: int) -> Config:
+    table, S = tables.classes[cls], split.num_stages
+    opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1])) for s in range(S))
+    return Config(cls, S, micro_batch, split, opt, S <= table.per_node)
+
+
+def overlap_of(tables: CostTables, configs: list[Config], shape: tuple[int, ...],
+               bounds: tuple[int, ...]) -> list[float]:
+    """How early each stage of this split may start its sync (planner.search.sync.drain_overlap_s),
+    at the smallest micro-batch size any configuration of this shape and split uses (the least overlap)."""
+    micro = min(c.micro_batch for c in configs if c.shape == shape and c.split.bounds == bounds)
+    return drain_overlap_s(tables, shape, bounds, micro)
 
 
 def _ns(seconds: float) -> int:
@@ -131,17 +174,18 @@ class _Item:
 
 
 def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256) -> list[_Item]:
-    """Per (class, stage count): the (time, samples) frontier over micro-batch size and count.
+    """Per (replica shape, split): the (time, samples) frontier over micro-batch size and count.
 
     A replica shape that is slower and serves no more samples than another one on the same
-    devices is never better, so only the frontier enters the model.
+    devices with the same cuts is never better, so only the frontier enters the model (cuts are
+    kept apart: which splits combine is constrained, planner.search.align).
     """
     B = tables.global_batch
-    by_shape: dict[tuple[int, int], list[_Item]] = {}
+    by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Item]] = {}
     for k, c in enumerate(configs):
         for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
             item = _Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
-            by_shape.setdefault((c.cls, c.num_stages), []).append(item)
+            by_shape.setdefault((c.shape, c.split.bounds), []).append(item)
     items: list[_Item] = []
     for key in sorted(by_shape):
         best = 0
@@ -170,12 +214,13 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     n, n_max = [], []
     for i, item in enumerate(items):
         c = configs[item.config]
-        n_max.append(tables.classes[c.cls].num_devices // c.num_stages)
+        fits = min(tables.classes[ci].num_devices // c.devices_of(ci) for ci in set(c.classes))
+        n_max.append(0 if one_node and c.stage_classes else fits)    # mixed pipelines span nodes
         n.append(model.NewIntVar(0, n_max[i], f"n{i}"))
     model.Add(sum(n[i] * item.capacity for i, item in enumerate(items)) >= B)
     for ci, table in enumerate(tables.classes):
-        devices_used = sum(n[i] * configs[item.config].num_stages for i, item in enumerate(items)
-                           if configs[item.config].cls == ci)
+        devices_used = sum(n[i] * configs[item.config].devices_of(ci) for i, item in enumerate(items)
+                           if ci in configs[item.config].classes)
         if use_all_devices:
             model.Add(devices_used == table.num_devices)
         else:
@@ -209,29 +254,38 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         model.Add(replicas >= g + 1).OnlyEnforceIf(above[l])
     inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
     t_sync = model.NewIntVar(0, 1 << 50, "t_sync_ns")
-    shapes = sorted({(configs[it.config].cls, configs[it.config].num_stages) for it in items})
-    class_used = {ci: [] for ci in range(len(tables.classes))}
-    for ci, S in shapes:
+    # splits used together must have nested cuts (aligned gradient groups, planner.search.align)
+    splits = sorted({configs[it.config].split.bounds for it in items}, key=lambda b: (len(b), b))
+    split_used = []
+    for si, bounds in enumerate(splits):
+        flag = model.NewBoolVar(f"split{si}")
+        model.AddMaxEquality(flag, [used[i] for i, it in enumerate(items) if configs[it.config].split.bounds == bounds])
+        split_used.append(flag)
+    for S in sorted({len(b) for b in splits}):
+        model.AddAtMostOne(split_used[si] for si, b in enumerate(splits) if len(b) == S)
+    for a, b in align.conflicts(splits):
+        if len(splits[a]) != len(splits[b]):
+            model.AddBoolOr([split_used[a].Not(), split_used[b].Not()])
+    groups = sorted({(configs[it.config].shape, configs[it.config].split.bounds) for it in items},
+                    key=lambda g: (len(g[1]), g))
+    class_used: dict[int, list[cp_model.IntVar]] = {ci: [] for ci in range(len(tables.classes))}
+    for gi, (shape, bounds) in enumerate(groups):
+        ci = shape[0]
         members = [i for i, it in enumerate(items)
-                   if (configs[it.config].cls, configs[it.config].num_stages) == (ci, S)]
-        shape_used = model.NewBoolVar(f"shape{ci}_{S}")
-        model.AddMaxEquality(shape_used, [used[i] for i in members])
-        class_used[ci].append(shape_used)
+                   if (configs[it.config].shape, configs[it.config].split.bounds) == (shape, bounds)]
+        group_used = model.NewBoolVar(f"group{gi}")
+        model.AddMaxEquality(group_used, [used[i] for i in members])
+        class_used[ci].append(group_used)
         table = tables.classes[ci]
-        grad = max(max(configs[items[i].config].split.stage_grad_bytes) for i in members)
         link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
-        heaviest = []      # per candidate split: the blocks of its stage with the most gradient bytes
-        for split in dict.fromkeys(configs[items[i].config].split for i in members):
-            top = max(range(split.num_stages), key=split.stage_grad_bytes.__getitem__)
-            heaviest.append(range(split.bounds[top], split.bounds[top + 1]))
-        # ring all-reduce of `grad`, or the best compressor the policy allows (costmodel.compression)
-        at = [_ns(t) for t in shape_sync_s(tables, ci, heaviest, grad, grid, link)]
+        overlap = overlap_of(tables, configs, shape, bounds)
+        at = [_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap)]
         model.Add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
-                  ).OnlyEnforceIf(shape_used)
+                  ).OnlyEnforceIf(group_used)
     if one_node:
         for ci, table in enumerate(tables.classes):   # all replicas of the class fit in one node
-            model.Add(sum(n[i] * configs[it.config].num_stages for i, it in enumerate(items)
-                          if configs[it.config].cls == ci) <= table.per_node)
+            model.Add(sum(n[i] * configs[it.config].devices_of(ci) for i, it in enumerate(items)
+                          if ci in configs[it.config].classes) <= table.per_node)
         any_used = []
         for ci, flags in class_used.items():
             if flags:
@@ -266,12 +320,17 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
 def solve(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0,
           use_all_devices: bool = False) -> Solution | None:
     """Best plan over two topology regimes: replicas spread over the network, or inside one node."""
+    found = solve_regimes(tables, configs, time_limit_s, use_all_devices)
+    return found[0] if found else None
+
+
+def solve_regimes(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0,
+                  use_all_devices: bool = False) -> list[Solution]:
+    """The best plan of each topology regime that has one, best first."""
     items = pareto_items(tables, configs)
     if not items:
-        return None
+        return []
     regimes = [False] if use_all_devices else [False, True]
     found = [s for s in (_solve_regime(tables, configs, items, one, time_limit_s, use_all_devices)
                          for one in regimes) if s is not None]
-    if not found:
-        return None
-    return min(found, key=lambda s: (s.objective_s, s.one_node))
+    return sorted(found, key=lambda s: (s.objective_s, s.one_node))

@@ -102,32 +102,88 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
 
 def solve_split(table: ClassTable, num_stages: int, micro_batch: int, link_bw: float, link_lat: float,
                 grad_bytes: tuple[float, ...], recompute: bool = False) -> Split | None:
-    """Best contiguous split into `num_stages` stages, or None when no split fits in memory.
-
-    Exact dynamic programme over (stage, end block), vectorised over the start block:
-    best[s][j] = min_i max(best[s-1][i], time(i..j-1) + cut(j-1)) over splits whose stage s fits.
-    """
-    N, S = len(table.fwd_s), num_stages
-    if S > N or not fits_greedily(table, S, micro_batch, recompute):
+    """Best contiguous split into `num_stages` stages, or None when no split fits in memory."""
+    if num_stages > len(table.fwd_s) or not fits_greedily(table, num_stages, micro_batch, recompute):
         return None
-    block_t = np.array([block_time_s(table, b, micro_batch, recompute) for b in range(N)])
-    cut_t = np.array([2 * (link_lat + table.boundary_bytes[b] * micro_batch / link_bw) for b in range(N)])
-    pre_t = np.concatenate([[0.0], np.cumsum(block_t)])
-    pre_state = np.concatenate([[0.0], np.cumsum(table.state_bytes)])
-    pre_act = np.concatenate([[0.0], np.cumsum(table.act_bytes)]) * micro_batch
-    stage_input = max(table.boundary_bytes) * micro_batch
+    bounds = _bottleneck_bounds([_Lane(table, micro_batch, link_bw, link_lat, recompute, 1.0)], num_stages)
+    if bounds is None:
+        return None
+    result = stage_costs(table, bounds, micro_batch, link_bw, link_lat, grad_bytes, recompute)
+    return Split(result.bounds, result.stage_s, result.stage_memory_bytes, result.stage_grad_bytes,
+                 optimal=True, recompute=recompute)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One device class's view of a split shared by several classes (planner.search.align)."""
+
+    table: ClassTable
+    link_bw: float
+    link_lat: float
+    recompute: bool
+    target_s: float                 # the class's own best slowest-stage time (normalises its costs)
+
+
+def solve_shared_bounds(lanes: list[Lane], num_stages: int, micro_batch: int) -> tuple[int, ...] | None:
+    """One split for several classes: minimise the worst class's slowest stage relative to its own
+    best (`target_s`), every stage fitting every class's memory. None when no such split fits."""
+    return _bottleneck_bounds([_Lane(ln.table, micro_batch, ln.link_bw, ln.link_lat, ln.recompute,
+                                     1.0 / ln.target_s) for ln in lanes], num_stages)
+
+
+@dataclass(frozen=True)
+class _Lane:
+    table: ClassTable
+    micro_batch: int
+    link_bw: float
+    link_lat: float
+    recompute: bool
+    scale: float
+
+
+def solve_mixed_bounds(lanes: list[Lane], stage_lanes: list[int], micro_batch: int) -> tuple[int, ...] | None:
+    """Best split of a pipeline whose stage s runs on lanes[stage_lanes[s]] (raw times, no
+    normalisation): minimise the slowest stage, every stage fitting its own device."""
+    return _bottleneck_bounds([_Lane(ln.table, micro_batch, ln.link_bw, ln.link_lat, ln.recompute, 1.0)
+                               for ln in lanes], len(stage_lanes), stage_lanes)
+
+
+def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None = None) -> tuple[int, ...] | None:
+    """Exact dynamic programme over (stage, end block), vectorised over the start block:
+    best[s][j] = min_i max(best[s-1][i], cost(i..j-1)) over stages that fit, where cost is the
+    largest scaled stage time (compute, launches, the cut's transfer) over the lanes of that stage
+    (`stage_lanes[s]`: one lane per stage; default: every lane on every stage)."""
+    N = len(lanes[0].table.fwd_s)
+    if S > N:
+        return None
+    pre_t, cut_t, pre_state, pre_act, stage_input = [], [], [], [], []
+    for ln in lanes:
+        t, m = ln.table, ln.micro_batch
+        block_t = np.array([block_time_s(t, b, m, ln.recompute) for b in range(N)]) * ln.scale
+        cut_t.append(np.array([2 * (ln.link_lat + t.boundary_bytes[b] * m / ln.link_bw) for b in range(N)])
+                     * ln.scale)
+        pre_t.append(np.concatenate([[0.0], np.cumsum(block_t)]))
+        pre_state.append(np.concatenate([[0.0], np.cumsum(t.state_bytes)]))
+        pre_act.append(np.concatenate([[0.0], np.cumsum(t.act_bytes)]) * m)
+        stage_input.append(max(t.boundary_bytes) * m)
     best = np.full((S, N + 1), np.inf)
     start_of = np.zeros((S, N + 1), dtype=np.int64)
     for s in range(S):
         in_flight = S - s
         for j in range(s + 1, N - (S - 1 - s) + 1):
             starts = np.arange(s, j) if s else np.array([0])
-            t = pre_t[j] - pre_t[starts] + (cut_t[j - 1] if s < S - 1 else 0.0)
-            act = pre_act[j] - pre_act[starts]
-            kept = act + stage_input * in_flight if recompute else act * in_flight
-            mem = pre_state[j] - pre_state[starts] + kept
+            t = np.zeros(len(starts))
+            fits = np.ones(len(starts), dtype=bool)
+            for li, ln in enumerate(lanes):
+                if stage_lanes is not None and stage_lanes[s] != li:
+                    continue
+                lane_t = pre_t[li][j] - pre_t[li][starts] + (cut_t[li][j - 1] if s < S - 1 else 0.0)
+                t = np.maximum(t, lane_t)
+                act = pre_act[li][j] - pre_act[li][starts]
+                kept = act + stage_input[li] * in_flight if ln.recompute else act * in_flight
+                fits &= pre_state[li][j] - pre_state[li][starts] + kept <= ln.table.capacity_bytes
             prev = best[s - 1][starts] if s else np.zeros(1)
-            cand = np.where(mem <= table.capacity_bytes, np.maximum(prev, t), np.inf)
+            cand = np.where(fits, np.maximum(prev, t), np.inf)
             k = int(np.argmin(cand))
             best[s][j], start_of[s][j] = cand[k], starts[k]
     if not np.isfinite(best[S - 1][N]):
@@ -136,6 +192,4 @@ def solve_split(table: ClassTable, num_stages: int, micro_batch: int, link_bw: f
     for s in range(S - 1, 0, -1):
         bounds.append(int(start_of[s][bounds[-1]]))
     bounds.append(0)
-    result = stage_costs(table, tuple(reversed(bounds)), micro_batch, link_bw, link_lat, grad_bytes, recompute)
-    return Split(result.bounds, result.stage_s, result.stage_memory_bytes, result.stage_grad_bytes,
-                 optimal=True, recompute=recompute)
+    return tuple(reversed(bounds))

@@ -22,20 +22,29 @@ STRATEGIES = ("ilp", "exact", *baselines.SOLVERS)
 
 def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
         options: PlanOptions) -> Plan:
+    return run_with_alternatives(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options)[0]
+
+
+def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
+                          inputs: PlanInputs, options: PlanOptions) -> tuple[Plan, list[tuple[str, Plan]]]:
+    """The strategy's plan, and the other topology regime's best plan where the ILP found one."""
     if name not in STRATEGIES:
         raise PlanningError(f"unknown strategy `{name}`", field="--strategy",
                             fix=f"use one of: {', '.join(STRATEGIES)}")
     if name in baselines.SOLVERS:
-        return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options)
+        return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options), []
     configs = ilp.build_configs(tables, options.stages, options.micro_batch)
     if not configs:
         raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
                             fix=explain.what_would_fit(tables))
     if name == "exact":   # enumeration of the ILP's space: small clusters only
-        solution = exact_solution(tables, configs, use_all_devices=options.use_all_devices)
+        exact = exact_solution(tables, configs, use_all_devices=options.use_all_devices)
+        solutions = [exact] if exact else []
     else:
-        solution = ilp.solve(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
-    if solution is None:
+        solutions = ilp.solve_regimes(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
+    if not solutions:
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
-    return assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs,
-                    strategy=name, schedule=options.schedule)
+    plans = [assemble(solution=s, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name,
+                      schedule=options.schedule) for s in solutions]
+    return plans[0], [(f"{name} {'one-node' if s.one_node else 'spread'}", p)
+                      for s, p in zip(solutions[1:], plans[1:])]

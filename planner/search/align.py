@@ -1,0 +1,132 @@
+"""Aligned gradient groups across replicas of different shapes.
+
+Replicas synchronise a parameter's gradient with every other replica holding it. When two
+replicas cut the blocks at different places, their stages overlap partially and the gradient
+groups fragment into chains (stage a1 syncs with b1 and b2, b2 with a1 and a2, ...) that run one
+after another: the sync costs far more than one all-reduce of the heaviest stage. So the search
+only combines splits whose cut points are nested (one's cuts a subset of the other's; equal cuts
+included): then every coarse stage syncs with whole finer stages, at most one all-reduce of its
+own bytes, as the sync term charges.
+
+So the splits are few and shared: per stage count one split for every class (the contiguous
+split minimising the worst class's slowest stage relative to that class's own best,
+split.solve_shared_bounds, balanced at the micro-batch size that loses least throughput), used at
+every micro-batch size where it fits in memory; a class it does not fit gets its own split (at the
+middle size, else at the size itself, with recompute when nothing else fits). Few distinct splits
+keep the CP-SAT model as small as one without alignment.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from costmodel.tables import CostTables
+from planner.search.split import Lane, Split, solve_shared_bounds, solve_split, stage_costs
+
+if TYPE_CHECKING:
+    pass
+
+Bounds = tuple[int, ...]
+
+
+def nested(a: Bounds, b: Bounds) -> bool:
+    """Cut points of one split are a subset of the other's: their gradient groups stay aligned."""
+    sa, sb = set(a), set(b)
+    return sa <= sb or sb <= sa
+
+
+def conflicts(bounds: list[Bounds]) -> list[tuple[int, int]]:
+    """Pairs of (indices into `bounds`) that may not be used together."""
+    return [(i, j) for i in range(len(bounds)) for j in range(i + 1, len(bounds))
+            if not nested(bounds[i], bounds[j])]
+
+
+def split_for(tables: CostTables, cls: int, bounds: Bounds, micro_batch: int, recompute: bool) -> Split | None:
+    """`bounds` costed on class `cls` at `micro_batch`; None when a stage does not fit its memory."""
+    from planner.search.ilp import stage_link
+
+    table = tables.classes[cls]
+    split = stage_costs(table, bounds, micro_batch, *stage_link(tables, cls, len(bounds) - 1), tables.grad_bytes,
+                        recompute)
+    return split if max(split.stage_memory_bytes) <= table.capacity_bytes else None
+
+
+def own_split(tables: CostTables, cls: int, num_stages: int, micro_batch: int) -> Split | None:
+    """The class's best split at this micro-batch size; with recompute only when nothing else fits."""
+    from planner.search.ilp import stage_link
+
+    link = stage_link(tables, cls, num_stages)
+    table = tables.classes[cls]
+    return (solve_split(table, num_stages, micro_batch, *link, tables.grad_bytes)
+            or solve_split(table, num_stages, micro_batch, *link, tables.grad_bytes, recompute=True))
+
+
+OwnSplits = dict[tuple[int, int], "Split | None"]     # (class, micro-batch size) -> own_split
+
+
+def own_splits(tables: CostTables, classes: list[int], num_stages: int, micro_options: list[int]) -> OwnSplits:
+    return {(ci, m): own_split(tables, ci, num_stages, m) for ci in classes for m in micro_options}
+
+
+def shared_bounds(tables: CostTables, classes: list[int], num_stages: int, micro_options: list[int],
+                  own: OwnSplits) -> Bounds | None:
+    """One split for `classes`: the shared split at one of the micro-batch sizes, the one whose worst
+    class loses least steady-state throughput (samples per second of its slowest stage at its best
+    size) against that class's own splits. Classes that make it infeasible are left out, smallest
+    memory first (they get their own splits)."""
+    candidates = {b for m in micro_options if (b := _shared_at(tables, classes, num_stages, m, own)) is not None}
+    if not candidates:
+        return None
+    best_rate = {ci: max((m / split.max_stage_s for m in micro_options
+                          if (split := own[(ci, m)]) is not None), default=0.0) for ci in classes}
+
+    def loss(bounds: Bounds) -> float:
+        worst = 0.0
+        for ci in classes:
+            if best_rate[ci] <= 0.0:
+                continue
+            rate = max((m / split.max_stage_s for m in micro_options for recompute in (False, True)
+                        if (split := split_for(tables, ci, bounds, m, recompute)) is not None), default=0.0)
+            worst = max(worst, best_rate[ci] / rate if rate > 0 else float("inf"))
+        return worst
+
+    return min(sorted(candidates), key=loss)
+
+
+def _shared_at(tables: CostTables, classes: list[int], num_stages: int, micro_batch: int,
+               own: OwnSplits) -> Bounds | None:
+    from planner.search.ilp import stage_link
+
+    lanes = []
+    for ci in classes:
+        split = own[(ci, micro_batch)]
+        if split is not None:
+            lanes.append(Lane(tables.classes[ci], *stage_link(tables, ci, num_stages), split.recompute,
+                              max(split.max_stage_s, 1e-12)))
+    lanes.sort(key=lambda ln: -ln.table.capacity_bytes)
+    while lanes:
+        bounds = solve_shared_bounds(lanes, num_stages, micro_batch)
+        if bounds is not None:
+            return bounds
+        lanes.pop()
+    return None
+
+
+def class_splits(tables: CostTables, cls: int, num_stages: int, micro_options: list[int],
+                 shared: Bounds | None, own: OwnSplits) -> list[tuple[int, Split]]:
+    """(micro-batch size, split) of one class and stage count: the shared split where it fits (with
+    recompute if need be), else the class's own split at the middle size where that fits, else its
+    own at the size."""
+    reference = own[(cls, micro_options[len(micro_options) // 2])]
+    out = []
+    for m in micro_options:
+        for bounds, recompute in ((shared, False), (shared, True), *(
+                [(reference.bounds, reference.recompute)] if reference else [])):
+            split = split_for(tables, cls, bounds, m, recompute) if bounds else None
+            if split is not None:
+                break
+        else:
+            split = own[(cls, m)]
+        if split is not None:
+            out.append((m, split))
+    return out

@@ -1,0 +1,134 @@
+"""Pipelines across device classes: the first stages on one class's devices, the rest on another's
+(e.g. a model too deep for either class alone, or leftover V100s and P100s serving one replica).
+
+A mixed pipeline uses the stage count's shared split (planner.search.align), so its gradient
+groups stay aligned with every other replica of that depth; each stage is costed on its own class
+(compute, memory, precision) and the cut between the two classes crosses the network. The class
+with more memory per device takes the first stages: under 1F1B they hold the most micro-batches
+in flight. Portions longer than a node take whole nodes, as single-class pipelines do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from costmodel.tables import CostTables
+from planner.search.split import Lane, Split, block_time_s, kept_activation_bytes, solve_mixed_bounds
+
+if TYPE_CHECKING:
+    from planner.search.ilp import Config
+
+
+def portions(num_stages: int, first: int, second: int, tables: CostTables) -> list[int]:
+    """Stage counts for the first class (the rest go to the second): half, and in proportion to
+    the two classes' device counts, where each portion fits its class's devices and node shape."""
+    a, b = tables.classes[first], tables.classes[second]
+    options = {num_stages // 2, round(num_stages * a.num_devices / (a.num_devices + b.num_devices))}
+
+    def placeable(count: int, per_node: int, devices: int) -> bool:
+        return 1 <= count <= devices and (count <= per_node or count % per_node == 0)
+    return sorted(k for k in options if placeable(k, a.per_node, a.num_devices)
+                  and placeable(num_stages - k, b.per_node, b.num_devices))
+
+
+def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tuple[int, ...], micro_batch: int,
+                recompute: bool) -> Split | None:
+    """`bounds` with stage s on class stage_classes[s]; None when a stage does not fit its memory."""
+    from planner.search.ilp import stage_link
+
+    S = len(bounds) - 1
+    times, mems, grads = [], [], []
+    for s, ci in enumerate(stage_classes):
+        table = tables.classes[ci]
+        blocks = range(bounds[s], bounds[s + 1])
+        t = sum(block_time_s(table, b, micro_batch, recompute) for b in blocks)
+        if s < S - 1:
+            if stage_classes[s + 1] == ci:
+                bw, lat = stage_link(tables, ci, stage_classes.count(ci))
+            else:
+                bw, lat = tables.inter_bandwidth_bytes_s, tables.inter_latency_s
+            t += 2 * (lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
+        mem = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
+            table, blocks, micro_batch, S - s, recompute)
+        if mem > table.capacity_bytes:
+            return None
+        times.append(t)
+        mems.append(mem)
+        grads.append(sum(tables.grad_bytes[b] for b in blocks))
+    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute)
+
+
+def stage_count_options(tables: CostTables, first: int, second: int) -> list[int]:
+    """Depths of a mixed pipeline: powers of two from 2 up to both classes' devices (and blocks)."""
+    most = min(tables.num_blocks, tables.classes[first].num_devices + tables.classes[second].num_devices)
+    out, S = [], 2
+    while S <= most:
+        out.append(S)
+        S *= 2
+    return out
+
+
+def own_bounds(tables: CostTables, classes: tuple[int, ...], micro_batch: int, recompute: bool,
+               ) -> tuple[int, ...] | None:
+    """The mixed pipeline's own best split (for depths without a shared one that fits it)."""
+    from planner.search.ilp import stage_link
+
+    lanes = [Lane(tables.classes[ci], *stage_link(tables, ci, classes.count(ci)), recompute, 1.0)
+             for ci in dict.fromkeys(classes)]
+    index = {ci: i for i, ci in enumerate(dict.fromkeys(classes))}
+    return solve_mixed_bounds(lanes, [index[ci] for ci in classes], micro_batch)
+
+
+def _splits(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...] | None,
+            micro_options: list[int]) -> list[tuple[int, Split]]:
+    """(micro-batch size, split) where `bounds` fits, with recompute where only that fits."""
+    if bounds is None:
+        return []
+    out = []
+    for m in micro_options:
+        split = mixed_split(tables, classes, bounds, m, False) or mixed_split(tables, classes, bounds, m, True)
+        if split is not None:
+            out.append((m, split))
+    return out
+
+
+def pairs(tables: CostTables) -> list[tuple[int, int]]:
+    """(first, second) class pairs: the one with more memory per device first; both orders when
+    their memory is the same (then speed per block decides, and each order is costed)."""
+    out = []
+    n = len(tables.classes)
+    for a in range(n):
+        for b in range(a + 1, n):
+            ca, cb = tables.classes[a].capacity_bytes, tables.classes[b].capacity_bytes
+            if abs(ca - cb) <= 0.01 * max(ca, cb):
+                out += [(a, b), (b, a)]
+            else:
+                out.append((a, b) if ca > cb else (b, a))
+    return out
+
+
+def mixed_configs(tables: CostTables, shared: dict[int, tuple[int, ...]], micro_options: list[int],
+                  fixed_stages: int | None = None) -> list[Config]:
+    """Mixed pipelines over every pair of classes: the depth's shared split where it fits them,
+    else their own split (balanced at the middle micro-batch size)."""
+    from planner.search.ilp import Config
+
+    out = []
+    for first, second in pairs(tables):
+        for S in stage_count_options(tables, first, second):
+            if fixed_stages is not None and S != fixed_stages:
+                continue
+            for k in portions(S, first, second, tables):
+                classes = (first,) * k + (second,) * (S - k)
+                found = _splits(tables, classes, shared.get(S), micro_options)
+                if not found:     # the shared split fits no micro-batch size: the pipeline's own
+                    middle = micro_options[len(micro_options) // 2]
+                    own = [b for recompute in (False, True)
+                           if (b := own_bounds(tables, classes, middle, recompute)) is not None]
+                    found = _splits(tables, classes, own[0] if own else None, micro_options)
+                for m, split in found:
+                    opt = max(sum(tables.classes[c].optimizer_s[b]
+                                  for b in range(split.bounds[s], split.bounds[s + 1]))
+                              for s, c in enumerate(classes))
+                    out.append(Config(first, S, m, split, opt, False, classes))
+    return out
