@@ -206,10 +206,32 @@ def _scenario_onebit(rank: int, world_size: int) -> None:
             torch.testing.assert_close(recovered, exact_total, rtol=0.0, atol=1e-5)
 
 
+def _scenario_buckets(rank: int, world_size: int) -> None:
+    """`allreduce_mean_buckets_` = one keyed `FlatBucket` per range, written back, times the multiplier."""
+    shapes = [(4, 3), (5,), ()]                          # a 0-d tensor travels as [1]
+    ranges = [(0, 2), (2, 3)]                            # two buckets: two sets of error buffers
+    batched, by_hand = OneBitCompressor(impl="torch"), OneBitCompressor(impl="torch")
+    for step in range(2):                                # the second call reuses the error buffers
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        tensors = [torch.randn(shape, generator=gen) for shape in shapes]
+        expected, wire = [], 0
+        for index, (start, stop) in enumerate(ranges):
+            flat = torch.cat([t.reshape(-1) for t in tensors[start:stop]])
+            mean = by_hand.allreduce_mean_(FlatBucket(flat, index=index, is_last=index == 1))
+            wire += by_hand.last_wire_bytes
+            expected.extend(torch.split(mean * world_size, [t.numel() for t in tensors[start:stop]]))
+        assert batched.allreduce_mean_buckets_(tensors, ranges, multiplier=world_size) == wire
+        for t, e in zip(tensors, expected):
+            assert torch.equal(t, e.view_as(t)), step
+    assert set(batched.state.worker_error) == {0, 1}
+    assert all(torch.equal(batched.state.worker_error[i], by_hand.state.worker_error[i]) for i in (0, 1))
+
+
 SCENARIOS: dict[str, Callable[[int, int], None]] = {
     "hooks": _scenario_hooks,
     "powersgd": _scenario_powersgd,
     "onebit": _scenario_onebit,
+    "buckets": _scenario_buckets,
 }
 
 
@@ -225,6 +247,10 @@ def test_powersgd_reconstructs_low_rank_mean_after_start_iter() -> None:
 
 def test_onebit_matches_single_process_simulation_and_counts_bytes() -> None:
     _launch("onebit", world_size=3)
+
+
+def test_buckets_of_tensors_reduce_like_one_flat_bucket_each() -> None:
+    _launch("buckets", world_size=2)
 
 
 def test_registry_names_and_unknown_name() -> None:

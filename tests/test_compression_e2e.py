@@ -53,10 +53,17 @@ def _torch_kernels(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
+def _optimizer(compressor: str) -> str:
+    """1-bit compression of gradients is the SGD path; under AdamW (the default) a `onebit` group
+    trains with 1-bit Adam, whose warm-up and momentum exchange tests/test_onebit_adam_e2e.py checks."""
+    return "sgd" if compressor == "onebit" else "adamw"
+
+
 def _check_run(plan_: Plan, metrics: list[dict], compressor: str) -> None:
     """Wire bytes per group per rank and step = cost model; losses agree across ranks and with exact."""
     shapes = _shapes()
-    ref = train_reference(str(GPT), global_batch=plan_.global_batch, steps=STEPS, seed=1)
+    ref = train_reference(str(GPT), global_batch=plan_.global_batch, steps=STEPS, seed=1,
+                          optimizer=_optimizer(compressor))
     for m in metrics:
         mine = [g for g in plan_.grad_groups if m["rank"] in g.ranks]
         assert sorted(m["grad_wire_bytes_by_group"]) == sorted(str(g.index) for g in mine)
@@ -88,7 +95,7 @@ def test_forced_gradient_compressor_runs_and_measured_bytes_match_the_cost_model
     out, plan_ = _plan(tmp_path, compressor, "--stages", "1")
     assert plan_.grad_groups and {g.compressor for g in plan_.grad_groups} == {compressor}
     assert {g.algorithm for g in plan_.grad_groups} == {"allgather" if compressor == "onebit" else "ring"}
-    metrics = run_program(out, STEPS, seed=1)
+    metrics = run_program(out, STEPS, seed=1, optimizer=_optimizer(compressor))
     _check_run(plan_, metrics, compressor)
     _replicas_agree(out, plan_)
     saving = {"fp16": 2.0, "powersgd": 8.0, "onebit": 30.0}[compressor]
@@ -102,7 +109,7 @@ def test_two_stages_onebit_gradients_and_int8_activations(tmp_path, monkeypatch)
     out, plan_ = _plan(tmp_path, "onebit", "--stages", "2", "--micro-batch", "2",
                        "--activation-compression", "int8")
     assert {e.compressor for e in plan_.p2p} == {"int8"} and len(plan_.p2p) == 2
-    metrics = run_program(out, STEPS, seed=1)
+    metrics = run_program(out, STEPS, seed=1, optimizer=_optimizer("onebit"))
     _check_run(plan_, metrics, "onebit")
     _replicas_agree(out, plan_)
     for edge in plan_.p2p:   # activations forward from src, their gradients back from dst: int8 both ways

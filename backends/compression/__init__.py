@@ -4,6 +4,7 @@
 `compressor.allreduce_mean_(FlatBucket(flat, shapes, index=i))` averages a bucket in
 place over the group and sets `compressor.last_wire_bytes`. The built-in torch hooks are
 reused through `FlatBucket` / `run_comm_hook`; `onebit` is ours (backends.kernels).
+`OneBitAdamW` is 1-bit Adam: under AdamW a 1-bit group exchanges compressed momentum, not gradients.
 """
 
 from backends.compression.base import GradientCompressor
@@ -24,6 +25,7 @@ from backends.compression.onebit import (
     onebit_wire_bytes,
     onebit_wire_ratio,
 )
+from backends.compression.onebit_adam import MomentumExchange, OneBitAdamW
 from backends.compression.registry import COMPRESSORS, CompressorFactory, make_compressor
 from backends.compression.wire import CollectiveTap, WireRecord, payload_nbytes
 
@@ -36,7 +38,9 @@ __all__ = [
     "FlatBucket",
     "Fp16Compressor",
     "GradientCompressor",
+    "MomentumExchange",
     "NoCompression",
+    "OneBitAdamW",
     "OneBitCompressor",
     "OneBitState",
     "PowerSGDCompressor",

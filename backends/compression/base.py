@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -48,6 +49,31 @@ class GradientCompressor(abc.ABC):
         self.last_wire_bytes = wire_bytes
         self.total_wire_bytes += wire_bytes
         return result
+
+    def allreduce_mean_buckets_(self, tensors: Sequence[torch.Tensor], buckets: Sequence[tuple[int, int]], *,
+                                multiplier: float = 1.0) -> int:
+        """Replace `tensors` by their (compressed) mean over the group times `multiplier`, in place.
+
+        `buckets` are [start, stop) ranges of `tensors`; each range travels as one flat float32
+        `FlatBucket` keyed by its position (so per-bucket state persists across calls that pass the
+        same ranges). Collective, like `allreduce_mean_`. Returns the payload bytes of all buckets.
+        """
+        wire = 0
+        for index, (start, stop) in enumerate(buckets):
+            part = tensors[start:stop]
+            flat = torch.cat([t.reshape(-1).to(torch.float32) for t in part])
+            # 0-d tensors travel as [1]: PowerSGD views every gradient as [shape[0], -1]
+            shapes = [tuple(t.shape) or (1,) for t in part]
+            reduced = self.allreduce_mean_(FlatBucket(flat, shapes, index=index, is_last=index == len(buckets) - 1))
+            wire += self.last_wire_bytes
+            if multiplier != 1.0:
+                reduced.mul_(multiplier)
+            offset = 0
+            for t in part:
+                n = t.numel()
+                t.copy_(reduced[offset:offset + n].view_as(t))
+                offset += n
+        return wire
 
     @abc.abstractmethod
     def _reduce(self, bucket: FlatBucket) -> tuple[torch.Tensor, int]:

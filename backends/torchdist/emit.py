@@ -18,7 +18,10 @@ Launch on one machine with ./launch.sh (torchrun), or `plan run <plan dir>`. Ini
 `batch({global_batch}, k)`, split across replicas in plan order by their shares; gradients are
 summed per gradient group (replicas, and stages that share a weight) so the update equals
 single-process training on the whole batch. Groups sync with the plan's compressor (`none`: exact);
-pipeline edges send activations with theirs. Stages compute in the plan's precision on CUDA
+under AdamW a `onebit` group trains with 1-bit Adam instead (exact AdamW for --onebit-freeze-step
+steps, by default a quarter of the run, then frozen variance and 1-bit compressed momentum in place
+of its gradients). Pipeline
+edges send activations with their compressor. Stages compute in the plan's precision on CUDA
 (bf16 / fp16 autocast, fp16 with loss scaling); CPU ranks stay fp32 unless --cpu-autocast.
 Each step appends a JSON line to <out>/metrics.jsonl.
 """
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torchdist import comm, runtime
+from costmodel.compression import onebit_adam_freeze_step
 from planner import frontend
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default={lr!r}, help="learning rate (torch defaults otherwise)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                    help="AdamW (default) or SGD with momentum 0.9")
+    p.add_argument("--onebit-freeze-step", type=int, default=None,
+                   help="1-bit Adam (onebit groups under AdamW): exact AdamW steps before the variance "
+                        "freezes (default: a quarter of --steps)")
     p.add_argument("--out", type=Path, default=HERE.parent / "run", help="metrics and final weights")
     p.add_argument("--save-final", action="store_true", help="write each rank's final parameters")
     p.add_argument("--cpu-autocast", action="store_true",
@@ -61,14 +68,17 @@ def main() -> None:
     model_file = frontend.load_model_file(MODEL_FILE, NAMES)
     model = runtime.build_model(model_file, args.seed)      # same values as one process
     stage = runtime.StageProgram(PLAN, ctx, model_file, model, cpu_autocast=args.cpu_autocast)
-    optimizer = runtime.make_optimizer(args.optimizer, stage.parameters(), args.lr)
+    freeze_step = (onebit_adam_freeze_step(args.steps) if args.onebit_freeze_step is None
+                   else args.onebit_freeze_step)
+    optimizer = stage.make_optimizer(args.optimizer, args.lr, onebit_freeze_step=freeze_step)
     metrics = runtime.Metrics(args.out, ctx)
     for step in range(args.steps):
         start = time.perf_counter()
         stage.reset_counters()
         contribution = stage.train_step(step)               # schedule: forward/backward + p2p
         stage.sync_gradients(optimizer)                     # per gradient group, its compressor
-        stage.optimizer_step(optimizer)                     # (skipped everywhere on fp16 overflow)
+        stage.optimizer_step(optimizer)                     # (skipped everywhere on fp16 overflow;
+                                                            #  1-bit Adam exchanges momentum here)
         optimizer.zero_grad(set_to_none=False)
         step_time_s = time.perf_counter() - start
         loss = torch.tensor([contribution], dtype=torch.float64)
@@ -76,8 +86,8 @@ def main() -> None:
         metrics.log(step=step, loss=float(loss), step_time_s=step_time_s,
                     peak_memory_bytes=runtime.peak_memory_bytes(ctx.device),
                     p2p_bytes=stage.p2p.bytes_sent, grad_bytes=stage.grad_bytes_reduced,
-                    grad_wire_bytes=stage.grad_sync.wire_bytes,
-                    grad_wire_bytes_by_group=stage.grad_sync.wire_bytes_by_group,
+                    grad_wire_bytes=stage.grad_wire_bytes,
+                    grad_wire_bytes_by_group=stage.grad_wire_bytes_by_group,
                     compute_dtype=str(stage.compute_dtype).removeprefix("torch."),
                     loss_scale=stage.scaler.scale if stage.scaler else None,
                     skipped_step=stage.skipped_step)

@@ -14,11 +14,16 @@ iteration count) persists across steps; buckets are keyed by their index within 
 Wire bytes are measured, not computed: the flat buffer of the `none` all-reduce, the
 compressors' own counters otherwise (payload this rank hands to collectives, see
 backends.compression.wire).
+
+Under AdamW a `onebit` group trains with 1-bit Adam (backends.compression.onebit_adam):
+`momentum_exchanges()` hands the group's 1-bit compressor to the optimizer, after which the group's
+gradients are summed exactly while the optimizer warms up, and not at all once it exchanges
+compressed momentum instead (`sync(skip=...)`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from backends.compression import FlatBucket, GradientCompressor, make_compressor
+from backends.compression import GradientCompressor, MomentumExchange, make_compressor
 from backends.torchdist.comm import allreduce_sum_
 from costmodel import compression as costs
 from planner.ir import GradGroup
@@ -72,17 +77,37 @@ class GradientSync:
             self.groups.append(_Group(group, pg, members, compressor, buckets))
         self.bytes_reduced = 0
         self.wire_bytes_by_group: dict[int, int] = {}
+        self.exchanges: list[MomentumExchange] = []     # handed out by `momentum_exchanges`
 
     @property
     def wire_bytes(self) -> int:
         """Measured payload bytes this rank handed to gradient collectives in the last `sync`."""
         return sum(self.wire_bytes_by_group.values())
 
-    def sync(self) -> None:
-        """Replace every held gradient by its sum over the group (compressed where the plan says)."""
+    def momentum_exchanges(self) -> list[tuple[list[nn.Parameter], MomentumExchange]]:
+        """For 1-bit Adam: each `onebit` group's parameters and a momentum exchange that takes over its
+        1-bit compressor (and buckets); the group's gradients are summed exactly from now on, unless
+        `sync` is told to skip the group. Call once, before the first `sync`."""
+        handed = []
+        for group in self.groups:
+            if group.plan.compressor != "onebit" or group.compressor is None:
+                continue
+            exchange = MomentumExchange(group.compressor, group.buckets, gradient_scale=float(group.size),
+                                        key=group.plan.index)
+            group.compressor = None
+            handed.append((group.params, exchange))
+            self.exchanges.append(exchange)
+        return handed
+
+    def sync(self, skip: Collection[int] = ()) -> None:
+        """Replace every held gradient by its sum over the group (compressed where the plan says),
+        except in the groups whose plan index is in `skip` (their momentum is exchanged instead)."""
         self.bytes_reduced = 0
         self.wire_bytes_by_group = {}
         for group in self.groups:
+            if group.plan.index in skip:
+                self.wire_bytes_by_group[group.plan.index] = 0
+                continue
             grads = []
             for p in group.params:
                 if p.grad is None:
@@ -93,30 +118,10 @@ class GradientSync:
                 # route every copy through Python: 2.5x slower on 49 tensors)
                 wire = allreduce_sum_(grads, group.process_group)
                 self.bytes_reduced += wire
-            else:
-                wire = self._sync_compressed(group, grads)
+            else:                                   # mean over the group x its size = sum
+                wire = group.compressor.allreduce_mean_buckets_(grads, group.buckets, multiplier=group.size)
                 self.bytes_reduced += sum(g.numel() * g.element_size() for g in grads)
             self.wire_bytes_by_group[group.plan.index] = wire
-
-    @staticmethod
-    def _sync_compressed(group: _Group, grads: list[torch.Tensor]) -> int:
-        assert group.compressor is not None
-        wire = 0
-        for index, (start, stop) in enumerate(group.buckets):
-            tensors = grads[start:stop]
-            flat = torch.cat([g.reshape(-1).to(torch.float32) for g in tensors])
-            # 0-d gradients travel as [1]: PowerSGD views every gradient as [shape[0], -1]
-            shapes = [tuple(g.shape) or (1,) for g in tensors]
-            bucket = FlatBucket(flat, shapes, index=index, is_last=index == len(group.buckets) - 1)
-            reduced = group.compressor.allreduce_mean_(bucket)
-            wire += group.compressor.last_wire_bytes
-            reduced.mul_(group.size)                  # mean over the group -> sum
-            offset = 0
-            for g in tensors:
-                n = g.numel()
-                g.copy_(reduced[offset:offset + n].view_as(g))
-                offset += n
-        return wire
 
 
 def group_payload_bytes(group: GradGroup, shapes: Mapping[str, tuple[int, ...]]) -> float:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from backends.compression import OneBitAdamW
 from backends.torchdist import precision
 from backends.torchdist.comm import P2P, Context, tag
 from backends.torchdist.gradsync import GradientSync
@@ -38,6 +39,53 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=lr)
+
+
+def make_stage_optimizer(name: str, params: list[nn.Parameter], grad_sync: GradientSync, lr: float, *,
+                         onebit_freeze_step: int) -> torch.optim.Optimizer:
+    """One rank's optimizer over `params`.
+
+    `make_optimizer(name, params, lr)`, except that under AdamW the parameters of `grad_sync`'s
+    `onebit` groups train with 1-bit Adam (OneBitAdamW: exact AdamW for `onebit_freeze_step` steps,
+    then frozen variance and 1-bit compressed momentum in place of the group's gradient sync; see
+    backends.compression.onebit_adam). 1-bit compression on the gradients themselves only suits SGD.
+    One optimizer for all of the rank's parameters, so that fp16 loss scaling unscales them and skips
+    the step together.
+    """
+    if name != "adamw":
+        return make_optimizer(name, params, lr)
+    handed = grad_sync.momentum_exchanges()     # the exchanges stay listed in grad_sync.exchanges
+    if not handed:
+        return make_optimizer(name, params, lr)
+    in_groups = {id(p) for group_params, _ in handed for p in group_params}
+    rest = [p for p in params if id(p) not in in_groups]
+    groups = [{"params": group_params} for group_params, _ in handed] + ([{"params": rest}] if rest else [])
+    return OneBitAdamW(groups, exchanges=[exchange for _, exchange in handed], lr=lr,
+                       freeze_step=onebit_freeze_step)
+
+
+def sync_step_gradients(grad_sync: GradientSync, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None,
+                        scaler: precision.LossScaler | None) -> bool:
+    """Sum each gradient group's gradients over its ranks (replicas, and stages sharing a weight), with
+    the group's compressor; returns whether the step is skipped.
+
+    Groups whose momentum the optimizer exchanges in its coming step (1-bit Adam after warm-up) keep
+    their local gradients. Under fp16 loss scaling (`scaler`; needs `optimizer`) gradients are unscaled
+    first, and on an overflow anywhere no rank syncs: the step is skipped everywhere (True).
+    """
+    if grad_sync.exchanges and not isinstance(optimizer, OneBitAdamW):
+        raise ValueError("1-bit Adam groups sync through their optimizer (make_stage_optimizer); pass it")
+    if scaler is not None:
+        if optimizer is None:
+            raise ValueError("fp16 loss scaling needs the optimizer to unscale gradients")
+        for p in params:                    # every rank takes part in the inf check
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if scaler.unscale_(optimizer):
+            return True
+    skip = {e.key for e in optimizer.exchanging()} if isinstance(optimizer, OneBitAdamW) else set()
+    grad_sync.sync(skip=skip)
+    return False
 
 
 def rows_of_replica(plan: Plan, replica_index: int) -> tuple[int, int]:
@@ -89,14 +137,36 @@ class StageProgram:
 
     @property
     def grad_bytes_reduced(self) -> int:
-        """Gradient bytes (uncompressed) synchronised in the last step."""
-        return self.grad_sync.bytes_reduced
+        """Gradient bytes (uncompressed) synchronised in the last step (1-bit Adam: its momentum)."""
+        return self.grad_sync.bytes_reduced + sum(e.exchanged_bytes for e in self.grad_sync.exchanges)
+
+    @property
+    def grad_wire_bytes_by_group(self) -> dict[int, int]:
+        """Measured payload bytes per gradient group in the last step: gradients or 1-bit Adam's momentum."""
+        merged = dict(self.grad_sync.wire_bytes_by_group)
+        for exchange in self.grad_sync.exchanges:
+            if exchange.wire_bytes:
+                merged[exchange.key] = merged.get(exchange.key, 0) + exchange.wire_bytes
+        return merged
+
+    @property
+    def grad_wire_bytes(self) -> int:
+        return sum(self.grad_wire_bytes_by_group.values())
 
     def reset_counters(self) -> None:
-        """Per-step byte counters (p2p sent, gradients reduced)."""
+        """Per-step byte counters (p2p sent, gradients reduced, momentum exchanged)."""
         self.p2p.bytes_sent = 0
         self.grad_sync.bytes_reduced = 0
         self.grad_sync.wire_bytes_by_group = {}
+        for exchange in self.grad_sync.exchanges:
+            exchange.reset_counters()
+
+    def make_optimizer(self, name: str, lr: float, *, onebit_freeze_step: int) -> torch.optim.Optimizer:
+        """This rank's optimizer (`make_stage_optimizer`); call once."""
+        if self.grad_sync.exchanges:
+            raise RuntimeError("make_optimizer: the 1-bit groups' compressors already belong to an optimizer")
+        return make_stage_optimizer(name, self.parameters(), self.grad_sync, lr,
+                                    onebit_freeze_step=onebit_freeze_step)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params.values())
@@ -221,20 +291,8 @@ class StageProgram:
                           dtype=split.values[name].dtype, compressor=self.edges[producer, ctx.stage.index])
 
     def sync_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Sum each gradient group's gradients over its ranks (replicas, and stages sharing a weight),
-        with the group's compressor. Under fp16 loss scaling (needs `optimizer`) gradients are
-        unscaled first, and on an overflow anywhere no rank syncs (the step is skipped everywhere)."""
-        self.skipped_step = False
-        if self.scaler is not None:
-            if optimizer is None:
-                raise ValueError("fp16 loss scaling needs the optimizer to unscale gradients")
-            for p in self.params.values():      # every rank takes part in the inf check
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.skipped_step = self.scaler.unscale_(optimizer)
-            if self.skipped_step:
-                return
-        self.grad_sync.sync()
+        """`sync_step_gradients` for this rank; sets `skipped_step`."""
+        self.skipped_step = sync_step_gradients(self.grad_sync, self.parameters(), optimizer, self.scaler)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step (through the loss scaler, which skips it after an overflow)."""
