@@ -47,6 +47,7 @@ class PlanOptions:
     max_blocks: int = 96
     calibration: str | None = None     # `plan profile` file: measured figures replace datasheet ones
     runners_up: bool = True            # also plan the baselines and simulate all, for `plan inspect`
+    objective: str = "time"            # time per iteration | cost per sample (needs prices in the spec)
     names: dict[str, str] = field(default_factory=dict)
 
     def as_pairs(self) -> tuple[tuple[str, str], ...]:

@@ -52,6 +52,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ir", action="store_true", help="write the graph after each pass to OUT/ir/")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file from `plan profile`: measured figures replace the datasheet's")
+    p.add_argument("--objective", default="time", choices=["time", "cost"],
+                   help="minimise time per iteration, or cost per sample (needs price_per_hour in the spec)")
     p.add_argument("--no-runners-up", action="store_true",
                    help="skip planning and simulating the baselines and the other topology regime "
                         "(`plan inspect` then cannot say why this plan won)")
@@ -90,6 +92,7 @@ def cmd_plan(argv: list[str]) -> int:
                           micro_batch=args.micro_batch, compression=args.compression,
                           activation_compression=args.activation_compression,
                           calibration=args.calibration, runners_up=not args.no_runners_up,
+                          objective=args.objective,
                           names={k: v for k, v in names.items() if v != k})
     result = plan(args.model, args.cluster, options)
     text = summary(result.plan)

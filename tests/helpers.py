@@ -32,7 +32,9 @@ def run_plan_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProc
 def run_program(out: Path, steps: int, *, seed: int = 0, lr: float = 1e-3, timeout_s: float = 300,
                 save_final: bool = True, optimizer: str = "adamw") -> list[dict]:
     """`plan run OUT` with a short collective timeout; returns the metrics lines."""
-    env = {**os.environ, "HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    # the program's workers import this checkout's packages whether or not it is installed
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps), "--seed", str(seed),
            "--lr", str(lr), "--optimizer", optimizer] + (["--save-final"] if save_final else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO,

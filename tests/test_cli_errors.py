@@ -116,3 +116,10 @@ def test_console_exit_code_and_stderr(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "missing.py" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_cost_objective_without_prices(capsys, out):
+    code, err = _run(capsys, [GPT, "--cluster", SPEC, "--objective", "cost", "-o", str(out)])
+    assert code == 3
+    _assert_one_line_error(code, err, "cpu-hetero-4.yaml", "price_per_hour", "--objective time")
+    _no_output(out)

@@ -35,7 +35,7 @@ def summary(plan: Plan) -> str:
         f"gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
     ]
     if e.cost_per_sample is not None:
-        head.append(f"cost per sample: ${e.cost_per_sample:.6f}")
+        head.append(f"cost: ${e.cost_per_sample * 1e6:.4g} per million samples")
     rows = []
     for r in plan.replicas:
         for st in r.stages:

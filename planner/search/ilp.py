@@ -90,6 +90,7 @@ MAX_STAGES = 128
 # Replica capacities closer than 1/64 apart are one choice (bounds the model's size at large batches;
 # costs at most ~1.6% of a replica's time, and none below 64 samples).
 CAPACITY_STEP_FRACTION = 64
+MIXED_MAX_DEVICES = 128
 
 
 def micro_batch_options(global_batch: int, limit: int = 64) -> list[int]:
@@ -132,7 +133,9 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
         for ci in classes:
             configs.extend(make_config(tables, ci, split, m)
                            for m, split in align.class_splits(tables, ci, S, micro_options, shared, own))
-    if mixed_pipelines:
+    # mixed pipelines multiply the replica shapes; on large clusters every class has devices enough
+    # for its own pipelines, so they are offered there only when no single-class pipeline fits
+    if mixed_pipelines and (not configs or sum(t.num_devices for t in tables.classes) <= MIXED_MAX_DEVICES):
         configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
     return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes))
 
@@ -206,8 +209,10 @@ def replica_grid(max_replicas: int) -> list[int]:
 
 
 def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item], one_node: bool,
-                  time_limit_s: float, use_all_devices: bool = False) -> Solution | None:
-    """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node."""
+                  time_limit_s: float, use_all_devices: bool = False, max_time_ns: int | None = None,
+                  ) -> Solution | None:
+    """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node.
+    With `max_time_ns`: minimise the price per hour of the devices used, the time at most that."""
     B = tables.global_batch
     model = cp_model.CpModel()
     max_replicas = sum(t.num_devices for t in tables.classes)
@@ -293,7 +298,12 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
                 model.AddMaxEquality(flag, flags)
                 any_used.append(flag)
         model.Add(sum(any_used) <= 1)
-    model.Minimize(t_pipe + t_sync)
+    if max_time_ns is None:
+        model.Minimize(t_pipe + t_sync)
+    else:   # cents per hour, integral; planner.search.cost checks every class has a price
+        model.Add(t_pipe + t_sync <= max_time_ns)
+        model.Minimize(sum(n[i] * sum(round(100 * (tables.classes[ci].price_per_hour or 0.0))
+                                      for ci in configs[it.config].classes) for i, it in enumerate(items)))
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -310,10 +320,11 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         return None
     choices = tuple(Choice(configs[item.config], solver.Value(n[i]), item.capacity)
                     for i, item in enumerate(items) if solver.Value(n[i]))
+    time_ns = solver.Value(t_pipe) + solver.Value(t_sync)
     return Solution(choices=choices, pipeline_s=solver.Value(t_pipe) / NS_PER_S,
                     sync_s=solver.Value(t_sync) / NS_PER_S,
-                    objective_s=solver.ObjectiveValue() / NS_PER_S,
-                    bound_s=solver.BestObjectiveBound() / NS_PER_S,
+                    objective_s=(solver.ObjectiveValue() if max_time_ns is None else time_ns) / NS_PER_S,
+                    bound_s=(solver.BestObjectiveBound() if max_time_ns is None else time_ns) / NS_PER_S,
                     status=solver.StatusName(status), configurations=len(items), one_node=one_node)
 
 

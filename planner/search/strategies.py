@@ -9,7 +9,7 @@ from costmodel.tables import CostTables
 from passes.blocks import Block
 from planner.errors import PlanningError
 from planner.ir import Plan, PlanInputs
-from planner.search import baselines, explain, ilp
+from planner.search import baselines, cost, explain, ilp
 from planner.search.assemble import assemble
 from planner.search.enumerate import exact_solution
 from planner.spec import ClusterSpec
@@ -40,11 +40,17 @@ def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block],
     if name == "exact":   # enumeration of the ILP's space: small clusters only
         exact = exact_solution(tables, configs, use_all_devices=options.use_all_devices)
         solutions = [exact] if exact else []
+    elif options.objective == "cost":
+        cost.check_prices(tables, spec.source_path)
+        solutions = cost.solve_cost(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
     else:
         solutions = ilp.solve_regimes(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
     if not solutions:
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
     plans = [assemble(solution=s, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name,
                       schedule=options.schedule) for s in solutions]
-    return plans[0], [(f"{name} {'one-node' if s.one_node else 'spread'}", p)
-                      for s, p in zip(solutions[1:], plans[1:])]
+    def label(s: ilp.Solution) -> str:
+        if options.objective == "cost":
+            return f"{name} fastest"
+        return f"{name} {'one-node' if s.one_node else 'spread'}"
+    return plans[0], [(label(s), p) for s, p in zip(solutions[1:], plans[1:])]
