@@ -25,7 +25,8 @@ Under AdamW (the program's default) a `onebit` group trains with 1-bit Adam: exa
 same 1-bit compressor (the `onebit` figure: same payload, kernels, error buffers). Like PowerSGD's,
 the figures are the steady state a plan's per-step estimate describes; over a whole run the 1-bit
 payload averages 0.25 x 4n + 0.75 x (n/8 + 4) ~ 1.09n bytes (3.7x less than fp32, where PowerSGD
-saves 9.6x on the bundled GPT). The planner does not know the optimizer: `auto` ranks steady states.
+saves 9.6x on the bundled GPT). Under AdamW (`plan --optimizer`, the program's default) `auto` ranks
+1-bit by that run average, the others by their steady state.
 
 Kernel time = bytes the compressor's kernels read and write / achieved memory bandwidth (counted
 pass by pass in the `_*_BYTES` constants) + its kernel launches x the device's per-op overhead
@@ -281,10 +282,20 @@ def candidates(policy: str, volume: GradVolume) -> list[CompressedVolume]:
 
 
 def best_gradient(options: Sequence[CompressedVolume], ranks: int, link: Link, bandwidth_bytes_s: float,
-                  launch_s: float = 0.0) -> GradientCost:
-    """The fastest of `options` (ties: the earlier one, `none` first)."""
+                  launch_s: float = 0.0, optimizer: str = "sgd") -> GradientCost:
+    """The fastest of `options` (ties: the earlier one, `none` first). Under AdamW, `onebit` is
+    ranked by its average over a run: 1-bit Adam syncs exactly (`none`) for its warm-up fraction of
+    the steps (the cost it reports stays the steady state, as every compressor's)."""
     costs = [gradient_cost(v, ranks, link, bandwidth_bytes_s, launch_s) for v in options]
-    return min(costs, key=lambda c: c.time_s)
+    exact = next((c for c in costs if c.name == "none"), None)
+    if optimizer != "adamw" or exact is None:
+        return min(costs, key=lambda c: c.time_s)
+
+    def ranked(c: GradientCost) -> float:
+        if c.name != "onebit":
+            return c.time_s
+        return ONEBIT_ADAM_WARMUP_FRACTION * exact.time_s + (1 - ONEBIT_ADAM_WARMUP_FRACTION) * c.time_s
+    return min(costs, key=ranked)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -342,6 +353,7 @@ class CompressionTable:
     block_params: tuple[tuple[str, ...], ...] = ()      # per block: parameters it reads
     kernel_bandwidth_bytes_s: tuple[float, ...] = ()    # per device class, as CostTables.classes
     kernel_launch_s: tuple[float, ...] = ()             # per device class: overhead of one launch
+    optimizer: str = "adamw"                            # the program's: adamw | sgd (1-bit Adam's warm-up)
 
     @property
     def compresses_gradients(self) -> bool:
@@ -397,7 +409,8 @@ def shape_sync_s(tables: CostTables, cls: int, stage_blocks: Sequence[range], gr
     launch = table.kernel_launch_s[cls] if table.kernel_launch_s else 0.0
     options = [candidates(table.gradient_policy, table.blocks_volume(blocks, tables.grad_bytes))
                for blocks in stage_blocks]
-    return [max(best_gradient(o, r, link, bandwidth, launch).time_s for o in options) for r in replica_counts]
+    return [max(best_gradient(o, r, link, bandwidth, launch, table.optimizer).time_s for o in options)
+            for r in replica_counts]
 
 
 def choose_gradient(table: CompressionTable, params: Sequence[str], nbytes: float, ranks: int,
@@ -406,4 +419,4 @@ def choose_gradient(table: CompressionTable, params: Sequence[str], nbytes: floa
     if not table.compresses_gradients:
         return GradientCost("none", "ring", nbytes, ring_allreduce_s(nbytes, ranks, link), 0.0, 0.0)
     options = candidates(table.gradient_policy, table.volume(params, nbytes))
-    return best_gradient(options, ranks, link, bandwidth_bytes_s, launch_s)
+    return best_gradient(options, ranks, link, bandwidth_bytes_s, launch_s, table.optimizer)

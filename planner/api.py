@@ -48,6 +48,7 @@ class PlanOptions:
     calibration: str | None = None     # `plan profile` file: measured figures replace datasheet ones
     runners_up: bool = True            # also plan the baselines and simulate all, for `plan inspect`
     objective: str = "time"            # time per iteration | cost per sample (needs prices in the spec)
+    optimizer: str = "adamw"           # the program's default optimizer: adamw | sgd
     names: dict[str, str] = field(default_factory=dict)
 
     def as_pairs(self) -> tuple[tuple[str, str], ...]:
@@ -100,7 +101,7 @@ def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Bl
         gradient_policy=options.compression, activation_policy=options.activation_compression,
         param_shapes=shapes, block_params=tuple(b.params for b in blocks),
         kernel_bandwidth_bytes_s=tuple(compression.kernel_bandwidth_bytes_s(g.device) for g in spec.nodes),
-        kernel_launch_s=tuple(compute.op_overhead_s(g.device) for g in spec.nodes))
+        kernel_launch_s=tuple(compute.op_overhead_s(g.device) for g in spec.nodes), optimizer=options.optimizer)
 
 
 def _baselines(options: PlanOptions, tables: CostTables, blocks: list[Block], spec: ClusterSpec,

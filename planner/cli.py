@@ -52,6 +52,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ir", action="store_true", help="write the graph after each pass to OUT/ir/")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file from `plan profile`: measured figures replace the datasheet's")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="the emitted program's default optimizer (1-bit compression under AdamW is 1-bit Adam, "
+                        "whose exact warm-up `--compression auto` accounts for)")
     p.add_argument("--objective", default="time", choices=["time", "cost"],
                    help="minimise time per iteration, or cost per sample (needs price_per_hour in the spec)")
     p.add_argument("--no-runners-up", action="store_true",
@@ -92,7 +95,7 @@ def cmd_plan(argv: list[str]) -> int:
                           micro_batch=args.micro_batch, compression=args.compression,
                           activation_compression=args.activation_compression,
                           calibration=args.calibration, runners_up=not args.no_runners_up,
-                          objective=args.objective,
+                          objective=args.objective, optimizer=args.optimizer,
                           names={k: v for k, v in names.items() if v != k})
     result = plan(args.model, args.cluster, options)
     text = summary(result.plan)
@@ -101,7 +104,8 @@ def cmd_plan(argv: list[str]) -> int:
         result.plan.save(tmp / "plan.json")
         (tmp / "summary.txt").write_text(text)
         (tmp / "solve.json").write_text(_timings_json(result.timings_s))
-        emit_program(result.plan, Path(args.model), tmp / "program", names=options.names, lr=args.lr)
+        emit_program(result.plan, Path(args.model), tmp / "program", names=options.names, lr=args.lr,
+                     optimizer=args.optimizer)
 
     _write_atomically(Path(args.out), fill)
     print(text + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")

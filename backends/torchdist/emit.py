@@ -49,8 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default={lr!r}, help="learning rate (torch defaults otherwise)")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                   help="AdamW (default) or SGD with momentum 0.9")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default={optimizer!r},
+                   help="AdamW or SGD with momentum 0.9 (default: the one planned for)")
     p.add_argument("--onebit-freeze-step", type=int, default=None,
                    help="1-bit Adam (onebit groups under AdamW): exact AdamW steps before the variance "
                         "freezes (default: a quarter of --steps)")
@@ -131,14 +131,14 @@ def layout_text(plan: Plan) -> str:
 
 
 def emit_program(plan: Plan, model_path: Path, program_dir: Path, *, names: dict[str, str],
-                 lr: float = 1e-3) -> None:
+                 lr: float = 1e-3, optimizer: str = "adamw") -> None:
     """Write train.py, launch.sh, plan.json and a copy of the model file into `program_dir`."""
     program_dir.mkdir(parents=True, exist_ok=True)
     plan.save(program_dir / "plan.json")
     shutil.copyfile(model_path, program_dir / "model.py")
     (program_dir / "train.py").write_text(TRAIN_TEMPLATE.format(
         cluster=plan.inputs.cluster_name, global_batch=plan.global_batch, layout=layout_text(plan),
-        names=names, lr=lr))
+        names=names, lr=lr, optimizer=optimizer))
     nodes = len({label.split(":")[0] for label in plan.devices})
     launch = program_dir / "launch.sh"
     launch.write_text(LAUNCH_TEMPLATE.format(world=plan.world_size, nnodes=nodes,
