@@ -68,3 +68,22 @@ def test_llama70b_plans_on_1024_gpus_without_weights():
     assert sum(b.param_bytes for b in result.blocks) > 250e9     # ~69B fp32 parameters
     assert result.plan.world_size > 0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 4 * 2**30
+
+
+def test_inspect_says_why_the_plan_beat_the_runners_up(tmp_path, capsys):
+    cluster = next(c for c in cluster_files() if c.stem == "seed-mixed-32")
+    out = tmp_path / "out"
+    assert main([str(GPT), "--cluster", str(cluster), "--global-batch", "64", "-o", str(out)]) == 0
+    p = Plan.load(out)
+    ups = {u.name: u for u in p.solver.runners_up}
+    assert {"uniform", "megatron", "metis", "fastest"} <= set(ups)
+    assert p.solver.simulated_iteration_s is not None
+    # ranked by simulated time; uniform spreads a tiny model over all 32 devices: clearly slower
+    times = [u.simulated_iteration_s for u in p.solver.runners_up]
+    assert times == sorted(times)
+    ratio = ups["uniform"].simulated_iteration_s / p.solver.simulated_iteration_s
+    assert ratio > 1.2 and ups["uniform"].why_slower.startswith(f"{ratio:.2f}x slower")
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert "why this plan" in shown and "ilp (chosen)" in shown and "uniform" in shown
