@@ -10,6 +10,7 @@ import pytest
 
 from costmodel.network import ring_allreduce_s
 from planner.search import align, ilp, sync
+from planner.search.enumerate import solve_exact
 from planner.search.split import Lane, solve_shared_bounds, solve_split, stage_costs
 from planner.spec import Link
 from tests import synthetic as syn
@@ -168,3 +169,17 @@ def test_sync_of_a_later_stage_overlaps_the_drain_of_earlier_ones():
     s1 = ring_allreduce_s(3.0 * syn.GIB / 4, 4, link)
     assert sync.split_sync_s(tabs, 0, (0, 2, 4), [4], link, overlap) == [pytest.approx(max(s0, s1 - overlap[1]))]
     assert sync.split_sync_s(tabs, 0, (0, 2, 4), [4], link) == [pytest.approx(s1)]
+
+
+def test_a_model_too_deep_for_either_class_gets_one_pipeline_across_both():
+    # four 30 GiB blocks, 40 GiB devices: four stages needed, and each class has two devices
+    a = syn.table("a", 2.0, blocks=4, devices=2, per_node=2, state_gib=[30.0] * 4)
+    b = syn.table("b", 1.0, blocks=4, devices=2, per_node=2, state_gib=[30.0] * 4)
+    tabs = syn.tables([a, b], 8)
+    configs = ilp.build_configs(tabs)
+    assert configs and all(c.stage_classes for c in configs)      # no single-class pipeline fits
+    sol = ilp.solve(tabs, configs)
+    [choice] = sol.choices
+    assert sorted(choice.config.classes) == [0, 0, 1, 1] and choice.replicas == 1 and choice.share == 8
+    exact = solve_exact(tabs, configs)
+    assert sol.objective_s == pytest.approx(exact.objective_s, abs=1e-9)

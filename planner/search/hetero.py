@@ -59,13 +59,17 @@ def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tupl
 
 
 def stage_count_options(tables: CostTables, first: int, second: int) -> list[int]:
-    """Depths of a mixed pipeline: powers of two from 2 up to both classes' devices (and blocks)."""
-    most = min(tables.num_blocks, tables.classes[first].num_devices + tables.classes[second].num_devices)
-    out, S = [], 2
+    """Depths of a mixed pipeline: powers of two from 2, and multiples of the larger node size (whole
+    nodes of both), up to both classes' devices (and the blocks)."""
+    a, b = tables.classes[first], tables.classes[second]
+    most = min(tables.num_blocks, a.num_devices + b.num_devices)
+    out, S = set(), 2
     while S <= most:
-        out.append(S)
+        out.add(S)
         S *= 2
-    return out
+    step = max(a.per_node, b.per_node)
+    out.update(range(step, most + 1, step))
+    return sorted(out)
 
 
 def own_bounds(tables: CostTables, classes: tuple[int, ...], micro_batch: int, recompute: bool,
@@ -110,7 +114,7 @@ def pairs(tables: CostTables) -> list[tuple[int, int]]:
 def mixed_configs(tables: CostTables, shared: dict[int, tuple[int, ...]], micro_options: list[int],
                   fixed_stages: int | None = None) -> list[Config]:
     """Mixed pipelines over every pair of classes: the depth's shared split where it fits them,
-    else their own split (balanced at the middle micro-batch size)."""
+    else their own split."""
     from planner.search.ilp import Config
 
     out = []
@@ -121,10 +125,13 @@ def mixed_configs(tables: CostTables, shared: dict[int, tuple[int, ...]], micro_
             for k in portions(S, first, second, tables):
                 classes = (first,) * k + (second,) * (S - k)
                 found = _splits(tables, classes, shared.get(S), micro_options)
-                if not found:     # the shared split fits no micro-batch size: the pipeline's own
-                    middle = micro_options[len(micro_options) // 2]
+                # the shared split fits no micro-batch size: the pipeline's own, balanced at the middle
+                # size, else at the smallest (least activation memory)
+                for m_ref in dict.fromkeys((micro_options[len(micro_options) // 2], micro_options[0])):
+                    if found:
+                        break
                     own = [b for recompute in (False, True)
-                           if (b := own_bounds(tables, classes, middle, recompute)) is not None]
+                           if (b := own_bounds(tables, classes, m_ref, recompute)) is not None]
                     found = _splits(tables, classes, own[0] if own else None, micro_options)
                 for m, split in found:
                     opt = max(sum(tables.classes[c].optimizer_s[b]

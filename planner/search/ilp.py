@@ -192,9 +192,12 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     items: list[_Item] = []
     for key in sorted(by_shape):
         best = 0
-        for item in sorted(by_shape[key], key=lambda i: (i.time_ns, -i.capacity, i.config)):
-            # frontier only; above 64 samples keep steps of >= 1/64 (the excess is trimmed later)
-            if item.capacity > best + best // CAPACITY_STEP_FRACTION:
+        frontier = sorted(by_shape[key], key=lambda i: (i.time_ns, -i.capacity, i.config))
+        most = max(i.capacity for i in frontier)
+        for item in frontier:
+            # frontier only; above 64 samples keep steps of >= 1/64 (the excess is trimmed later),
+            # and always the largest capacity (one replica may have to serve the whole batch)
+            if item.capacity > best + best // CAPACITY_STEP_FRACTION or (item.capacity == most > best):
                 best = item.capacity
                 items.append(item)
     return items
