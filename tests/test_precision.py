@@ -177,3 +177,22 @@ def _overflow_worker(rank: int, port: int, world_size: int) -> None:
 
 def test_loss_scaler_overflow_on_one_rank_skips_the_step_on_all():
     spawn_gloo_workers(_overflow_worker, (2,), 2, deadline_s=RUN_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_pipeline_across_device_types_mixes_precisions_per_stage(tmp_path):
+    # a pipeline spanning A100, V100 and P100 stages (planner.search.hetero): bf16, fp16, fp32 stages
+    # exchange activations in the traced dtype and share one loss scale
+    program, p = _program(tmp_path, 3, "fp32", stages=3, micro_batch=2)
+    [replica] = p.replicas
+    mixed = dataclasses.replace(replica, stages=tuple(dataclasses.replace(s, precision=value)
+                                                      for s, value in zip(replica.stages, ("bf16", "fp16", "fp32"))))
+    mixed_plan = dataclasses.replace(p, replicas=(mixed,))
+    emit_program(mixed_plan, GPT, program, names={})
+    ref = train_reference(str(GPT), global_batch=p.global_batch, steps=STEPS, seed=2)
+    metrics = _torchrun(program, 3, "--cpu-autocast")
+    assert {m["rank"]: m["compute_dtype"] for m in metrics} == {0: "bfloat16", 1: "float16", 2: "float32"}
+    assert {m["loss_scale"] for m in metrics} == {2.0 ** 16}          # one fp16 stage: the plan scales the loss
+    for step in range(STEPS):
+        losses = {m["loss"] for m in metrics if m["step"] == step}
+        assert len(losses) == 1 and losses.pop() == pytest.approx(ref.losses[step], rel=FP16_LOSS_RTOL)
