@@ -45,10 +45,30 @@ class SimResult:
         return [s for s in self.timeline if s.rank == rank]
 
 
-def _run_replica(rep: ReplicaWork, spans: list[Span], busy: list[float]) -> dict[int, float]:
+_Timeline = tuple[list[Span], list[float], list[float]]   # spans by stage index; busy, end per stage
+
+
+def _run_replica(rep: ReplicaWork, spans: list[Span], busy: list[float],
+                 seen: dict[tuple, _Timeline]) -> dict[int, float]:
     """Simulate one replica's pipeline, adding compute time to `busy`; returns each rank's time
-    of its last action."""
+    of its last action. Replicas with the same work (common: many copies of one shape) are
+    simulated once (`seen`) and the timeline is given to each one's ranks."""
+    key = (rep.schedule, tuple((w.fwd_s, w.bwd_s, w.send_fwd_s, w.send_bwd_s) for w in rep.stages))
+    if key not in seen:
+        seen[key] = _timeline(rep)
+    local, stage_busy, stage_end = seen[key]
+    ranks = [w.rank for w in rep.stages]
+    spans.extend(Span(ranks[sp.rank], sp.label, sp.start_s, sp.end_s) for sp in local)
+    for s, r in enumerate(ranks):
+        busy[r] += stage_busy[s]
+    return {r: stage_end[s] for s, r in enumerate(ranks)}
+
+
+def _timeline(rep: ReplicaWork) -> _Timeline:
+    """One replica's pipeline, with stage indices in place of ranks."""
     S, M = len(rep.stages), rep.num_micro
+    spans: list[Span] = []
+    busy = [0.0] * S
     actions = sched.make(rep.schedule, S, M)
     free = [0.0] * S
     pos = [0] * S
@@ -76,8 +96,8 @@ def _run_replica(rep: ReplicaWork, spans: list[Span], busy: list[float]) -> dict
                 end = start + dur
                 free[s] = end
                 done.add((s, a.kind, j))
-                spans.append(Span(work.rank, str(a), start, end))
-                busy[work.rank] += dur
+                spans.append(Span(s, str(a), start, end))
+                busy[s] += dur
                 if a.kind == "F" and s + 1 < S:
                     t0 = max(end, link_fwd[s])
                     link_fwd[s] = t0 + work.send_fwd_s[j]
@@ -92,7 +112,7 @@ def _run_replica(rep: ReplicaWork, spans: list[Span], busy: list[float]) -> dict
         if not progressed:
             raise PassError(f"replica {rep.index}: schedule deadlocks in simulation:\n"
                             + sched.format_grid(actions), fix="report this plan")
-    return {rep.stages[s].rank: free[s] for s in range(S)}
+    return spans, busy, free
 
 
 def simulate(inp: SimInput) -> SimResult:
@@ -100,8 +120,9 @@ def simulate(inp: SimInput) -> SimResult:
     spans: list[Span] = []
     busy = [0.0] * inp.world_size
     free: dict[int, float] = {}
+    seen: dict[tuple, _Timeline] = {}
     for rep in inp.replicas:
-        free.update(_run_replica(rep, spans, busy))
+        free.update(_run_replica(rep, spans, busy, seen))
     pipeline_s = max(free.values(), default=0.0)
     for sync in sorted(inp.syncs, key=lambda g: g.group):
         members = [r for r in sync.ranks if r in free]
