@@ -224,56 +224,56 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         c = configs[item.config]
         fits = min(tables.classes[ci].num_devices // c.devices_of(ci) for ci in set(c.classes))
         n_max.append(0 if one_node and c.stage_classes else fits)    # mixed pipelines span nodes
-        n.append(model.NewIntVar(0, n_max[i], f"n{i}"))
-    model.Add(sum(n[i] * item.capacity for i, item in enumerate(items)) >= B)
+        n.append(model.new_int_var(0, n_max[i], f"n{i}"))
+    model.add(sum(n[i] * item.capacity for i, item in enumerate(items)) >= B)
     for ci, table in enumerate(tables.classes):
         devices_used = sum(n[i] * configs[item.config].devices_of(ci) for i, item in enumerate(items)
                            if ci in configs[item.config].classes)
         if use_all_devices:
-            model.Add(devices_used == table.num_devices)
+            model.add(devices_used == table.num_devices)
         else:
-            model.Add(devices_used <= table.num_devices)
+            model.add(devices_used <= table.num_devices)
 
     # Pipeline time as a staircase: ge[l] <=> T_pipe >= levels[l]; an item may be used only if
     # its time is within T_pipe.
     levels = sorted({item.time_ns for item in items})
-    ge = [model.NewBoolVar(f"ge{l}") for l in range(len(levels))]
+    ge = [model.new_bool_var(f"ge{l}") for l in range(len(levels))]
     for l in range(len(levels) - 1):
-        model.AddImplication(ge[l + 1], ge[l])
+        model.add_implication(ge[l + 1], ge[l])
     level_of = {t: l for l, t in enumerate(levels)}
     used = []
     for i, item in enumerate(items):
-        model.Add(n[i] <= n_max[i] * ge[level_of[item.time_ns]])
-        u = model.NewBoolVar(f"used{i}")
-        model.Add(n[i] >= 1).OnlyEnforceIf(u)
-        model.Add(n[i] == 0).OnlyEnforceIf(u.Not())
+        model.add(n[i] <= n_max[i] * ge[level_of[item.time_ns]])
+        u = model.new_bool_var(f"used{i}")
+        model.add(n[i] >= 1).only_enforce_if(u)
+        model.add(n[i] == 0).only_enforce_if(u.Not())
         used.append(u)
     t_pipe = sum(ge[l] * (levels[l] - (levels[l - 1] if l else 0)) for l in range(len(levels)))
 
-    replicas = model.NewIntVar(1, max_replicas, "replicas")
-    model.Add(replicas == sum(n))
+    replicas = model.new_int_var(1, max_replicas, "replicas")
+    model.add(replicas == sum(n))
     # Replica count as a staircase too: above[l] <=> R > grid[l]; sync time is charged at the next
     # grid point (exact on the grid, an upper bound between points). Cheaper than an element
     # constraint over every count, which presolve expands value by value.
     grid = replica_grid(max_replicas)
-    above = [model.NewBoolVar(f"above{g}") for g in grid[:-1]]
+    above = [model.new_bool_var(f"above{g}") for g in grid[:-1]]
     for l, g in enumerate(grid[:-1]):
-        model.Add(replicas <= g).OnlyEnforceIf(above[l].Not())
-        model.Add(replicas >= g + 1).OnlyEnforceIf(above[l])
+        model.add(replicas <= g).only_enforce_if(above[l].Not())
+        model.add(replicas >= g + 1).only_enforce_if(above[l])
     inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
-    t_sync = model.NewIntVar(0, 1 << 50, "t_sync_ns")
+    t_sync = model.new_int_var(0, 1 << 50, "t_sync_ns")
     # splits used together must have nested cuts (aligned gradient groups, planner.search.align)
     splits = sorted({configs[it.config].split.bounds for it in items}, key=lambda b: (len(b), b))
     split_used = []
     for si, bounds in enumerate(splits):
-        flag = model.NewBoolVar(f"split{si}")
-        model.AddMaxEquality(flag, [used[i] for i, it in enumerate(items) if configs[it.config].split.bounds == bounds])
+        flag = model.new_bool_var(f"split{si}")
+        model.add_max_equality(flag, [used[i] for i, it in enumerate(items) if configs[it.config].split.bounds == bounds])
         split_used.append(flag)
     for S in sorted({len(b) for b in splits}):
-        model.AddAtMostOne(split_used[si] for si, b in enumerate(splits) if len(b) == S)
+        model.add_at_most_one(split_used[si] for si, b in enumerate(splits) if len(b) == S)
     for a, b in align.conflicts(splits):
         if len(splits[a]) != len(splits[b]):
-            model.AddBoolOr([split_used[a].Not(), split_used[b].Not()])
+            model.add_bool_or([split_used[a].Not(), split_used[b].Not()])
     groups = sorted({(configs[it.config].shape, configs[it.config].split.bounds) for it in items},
                     key=lambda g: (len(g[1]), g))
     class_used: dict[int, list[cp_model.IntVar]] = {ci: [] for ci in range(len(tables.classes))}
@@ -281,31 +281,31 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         ci = shape[0]
         members = [i for i, it in enumerate(items)
                    if (configs[it.config].shape, configs[it.config].split.bounds) == (shape, bounds)]
-        group_used = model.NewBoolVar(f"group{gi}")
-        model.AddMaxEquality(group_used, [used[i] for i in members])
+        group_used = model.new_bool_var(f"group{gi}")
+        model.add_max_equality(group_used, [used[i] for i in members])
         class_used[ci].append(group_used)
         table = tables.classes[ci]
         link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
         overlap = overlap_of(tables, configs, shape, bounds)
         at = [_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap)]
-        model.Add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
-                  ).OnlyEnforceIf(group_used)
+        model.add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
+                  ).only_enforce_if(group_used)
     if one_node:
         for ci, table in enumerate(tables.classes):   # all replicas of the class fit in one node
-            model.Add(sum(n[i] * configs[it.config].devices_of(ci) for i, it in enumerate(items)
+            model.add(sum(n[i] * configs[it.config].devices_of(ci) for i, it in enumerate(items)
                           if ci in configs[it.config].classes) <= table.per_node)
         any_used = []
         for ci, flags in class_used.items():
             if flags:
-                flag = model.NewBoolVar(f"class{ci}")
-                model.AddMaxEquality(flag, flags)
+                flag = model.new_bool_var(f"class{ci}")
+                model.add_max_equality(flag, flags)
                 any_used.append(flag)
-        model.Add(sum(any_used) <= 1)
+        model.add(sum(any_used) <= 1)
     if max_time_ns is None:
-        model.Minimize(t_pipe + t_sync)
+        model.minimize(t_pipe + t_sync)
     else:   # cents per hour, integral; planner.search.cost checks every class has a price
-        model.Add(t_pipe + t_sync <= max_time_ns)
-        model.Minimize(sum(n[i] * sum(round(100 * (tables.classes[ci].price_per_hour or 0.0))
+        model.add(t_pipe + t_sync <= max_time_ns)
+        model.minimize(sum(n[i] * sum(round(100 * (tables.classes[ci].price_per_hour or 0.0))
                                       for ci in configs[it.config].classes) for i, it in enumerate(items)))
 
     solver = cp_model.CpSolver()
@@ -318,17 +318,17 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     # CP-SAT 9.15's inclusion presolve can cut optimal solutions of this model and still report
     # OPTIMAL (seen on all-devices instances, cf. or-tools#5293); the exact enumerator caught it
     solver.parameters.presolve_inclusion_work_limit = 0
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    choices = tuple(Choice(configs[item.config], solver.Value(n[i]), item.capacity)
-                    for i, item in enumerate(items) if solver.Value(n[i]))
-    time_ns = solver.Value(t_pipe) + solver.Value(t_sync)
-    return Solution(choices=choices, pipeline_s=solver.Value(t_pipe) / NS_PER_S,
-                    sync_s=solver.Value(t_sync) / NS_PER_S,
-                    objective_s=(solver.ObjectiveValue() if max_time_ns is None else time_ns) / NS_PER_S,
-                    bound_s=(solver.BestObjectiveBound() if max_time_ns is None else time_ns) / NS_PER_S,
-                    status=solver.StatusName(status), configurations=len(items), one_node=one_node)
+    choices = tuple(Choice(configs[item.config], solver.value(n[i]), item.capacity)
+                    for i, item in enumerate(items) if solver.value(n[i]))
+    time_ns = solver.value(t_pipe) + solver.value(t_sync)
+    return Solution(choices=choices, pipeline_s=solver.value(t_pipe) / NS_PER_S,
+                    sync_s=solver.value(t_sync) / NS_PER_S,
+                    objective_s=(solver.objective_value if max_time_ns is None else time_ns) / NS_PER_S,
+                    bound_s=(solver.best_objective_bound if max_time_ns is None else time_ns) / NS_PER_S,
+                    status=solver.status_name(status), configurations=len(items), one_node=one_node)
 
 
 def solve(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0,
