@@ -13,8 +13,8 @@ checked by `verify_plan`:
 - `metis`: Metis-style: one depth, stages balanced by each device type's own block times, batch
   shares proportional to each replica's steady-state speed; the best depth and micro-batch size.
 
-Estimates use the ILP's formulas ((M + S - 1) * slowest stage + optimizer; ring all-reduce of the
-largest stage gradient over the replicas), with the exact replica count. A baseline that cannot fit
+Estimates use the ILP's formulas (pipeline time per replica; gradient sync as planner.search.sync
+charges it), with the exact replica count. A baseline that cannot fit
 the model raises PlanningError saying why.
 """
 
@@ -24,7 +24,6 @@ import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from costmodel.network import ring_allreduce_s
 from costmodel.tables import ClassTable, CostTables
 from passes.blocks import Block
 from passes.verify import verify_plan
@@ -33,6 +32,7 @@ from planner.ir import Plan, PlanInputs
 from planner.search import ilp
 from planner.search.assemble import assemble
 from planner.search.split import solve_split, stage_costs
+from planner.search.sync import split_sync_s
 from planner.spec import ClusterSpec, Link
 
 if TYPE_CHECKING:
@@ -102,8 +102,12 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
         link = Link("intra", tables.classes[cls].intra_bandwidth_bytes_s, tables.classes[cls].intra_latency_s)
     else:
         link = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
-    grad = max(max(c.split.stage_grad_bytes) for c, _ in replicas)
-    sync_s = ring_allreduce_s(grad, len(replicas), link)
+    # as the ILP charges it (planner.search.sync): each split's slowest stage, tied groups included,
+    # less its overlap with the drain; misaligned splits' fragmented groups are not charged here
+    configs = [c for c, _ in replicas]
+    sync_s = max(split_sync_s(tables, c.cls, c.split.bounds, [len(replicas)], link,
+                              ilp.overlap_of(tables, configs, c.shape, c.split.bounds))[0]
+                 for c in dict.fromkeys(configs))
     counts: dict[tuple[ilp.Config, int], int] = {}
     for key in replicas:
         counts[key] = counts.get(key, 0) + 1
