@@ -4,6 +4,7 @@ graph, not from a fixed multiple), cached per (op, shapes, dtypes, constant args
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,27 +54,40 @@ def op_class(target: Any) -> str:
     return "other"
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a node's value or arguments (nested tuples, lists, dict values), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
 def tensor_bytes(value: Any) -> float:
     total = 0.0
-
-    def add(v: Any) -> Any:
-        nonlocal total
-        if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size()
-        return v
-
-    tree_map(add, value)
+    for t in _tensors(value):
+        total += t.numel() * t.element_size()
     return total
 
 
-def _signature(target: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
-    def key(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return ("T", tuple(v.shape), str(v.dtype), v.requires_grad)
-        return repr(v)
+def _key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype), value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_key(v) for v in value)
+    if isinstance(value, list):
+        return ("list", *(_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _key(v)) for k, v in value.items()))
+    return repr(value)
 
-    flat_args = tree_map(key, (args, kwargs))
-    return (str(target), repr(flat_args))
+
+def _signature(target: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """What the FLOPs of a call depend on: the op, tensor shapes, dtypes and the constant arguments."""
+    return (str(target), _key(args), _key(kwargs))
 
 
 def _as_meta(v: Any) -> Any:

@@ -79,8 +79,8 @@ class Annotate(Pass):
             if node.op == "get_attr":
                 node.meta[PARAM_BYTES_KEY] = tensor_bytes(node.meta["val"])
             elif node.op in ("call_function", "call_method", "call_module"):
-                args = tree_map(_val, node.args)
-                kwargs = tree_map(_val, node.kwargs)
+                args = fx.map_arg(node.args, _val)
+                kwargs = fx.map_arg(node.kwargs, _val)
                 target = node.target
                 if node.op == "call_module":
                     target = _fetch_attr(gm, node.target)

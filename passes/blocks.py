@@ -11,6 +11,7 @@ repeated layers can be tied by the search.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -195,12 +196,13 @@ class Blocks(Pass):
             for n in members:
                 n.meta[BLOCK_INDEX_KEY] = b
             # trainable parameters only: buffers and constants are not trained or synchronised
-            attr_nodes = {a.target: a for n in members for a in n.all_input_nodes
+            attr_nodes = {str(a.target): a for n in members for a in n.all_input_nodes
                           if a.op == "get_attr" and getattr(a.meta.get("val"), "requires_grad", False)}
             params = sorted(attr_nodes)
             param_sizes = tuple(attr_nodes[p].meta[PARAM_BYTES_KEY] for p in params)
             paths = [_module_path(n)[-1] if _module_path(n) else "" for n in members]
-            label = max(set(paths), key=paths.count)
+            # the most frequent path; on a tie the earliest, so the label is the same in every process
+            label = Counter(paths).most_common(1)[0][0]
             last = bounds[b + 1]
             blocks.append(Block(
                 index=b, first_node=members[0].name, last_node=members[-1].name, label=label,

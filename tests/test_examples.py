@@ -163,6 +163,27 @@ def test_real_llama_configs_trace_on_meta(name: str) -> None:
     assert time.perf_counter() - started_s < 120
 
 
+@pytest.mark.parametrize("name", ["llama7b", "llama70b"])
+def test_real_llama_configs_plan_from_a_few_traced_layers(name: str) -> None:
+    """The planner's trace exports the first decoder layers and replicates the rest: every parameter is there."""
+    from planner import frontend
+    from planner.repeated import HEAD, REPLICATED_KEY, Replicated
+
+    example = _load(name)
+    with torch.device("meta"):
+        module = example.model()
+    inputs, _ = example.batch(1, 0, seq_len=SMALL_SEQ_LEN)
+    started_s = time.perf_counter()
+    gm = frontend.trace(module, tuple(t.to("meta") for t in inputs), replicate_repeated=True)
+    layers = example.CONFIG["num_hidden_layers"]
+    assert gm.meta[REPLICATED_KEY] == (Replicated("lm.model.layers", layers, HEAD),)
+    assert sum(p.numel() for p in gm.parameters()) == LLAMA_PARAM_COUNTS[name]
+    _assert_all_meta(gm)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    assert output.args[0][0].meta["val"].shape == (1, SMALL_SEQ_LEN, example.CONFIG["vocab_size"])
+    assert time.perf_counter() - started_s < 60
+
+
 def test_llama70b_seq_len_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HETPLAN_SEQ_LEN", raising=False)
     assert _load_fresh("llama70b").SEQ_LEN == 4096

@@ -66,6 +66,26 @@ def test_repeated_layers_share_signatures(gpt):
     assert max(len(v) for v in by_label.values()) >= 3   # 4 transformer layers -> repeated blocks
 
 
+def test_block_label_is_the_most_frequent_module_earliest_on_a_tie(gpt):
+    """The label must not depend on set order (string hashing differs per process)."""
+    from passes.blocks import BLOCK_INDEX_KEY, _module_path
+    _, gm, blocks = gpt
+    for b in blocks:
+        paths = [_module_path(n)[-1] if _module_path(n) else "" for n in compute_nodes(gm.graph)
+                 if n.meta[BLOCK_INDEX_KEY] == b.index]
+        assert b.label == max(paths, key=paths.count)   # max keeps the first of equal counts
+
+
+def test_op_counter_measures_each_signature_once(gpt):
+    """Repeated layers hit the counter's cache: one FLOP measurement per distinct op signature."""
+    from costmodel.ops import OpCounter, op_class
+    _, gm, _ = gpt
+    counter = OpCounter()
+    Annotate(counter)(gm)
+    counted = [n for n in compute_nodes(gm.graph) if op_class(n.target) != "view"]
+    assert 0 < counter.measured < len(counted) / 3      # 4 identical layers: most signatures repeat
+
+
 def test_blocks_cut_between_transformer_layers(gpt):
     _, gm, blocks = gpt
     # each cut leaves a single trainable activation live (the residual stream)
