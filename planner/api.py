@@ -78,7 +78,7 @@ def trace_model_file(model_file: frontend.ModelFile, trace_batch: int = DEFAULT_
     module = frontend.build_on_meta(model_file)
     inputs, _ = frontend.example_batch(model_file, trace_batch)
     meta_inputs = frontend.to_device(inputs, "meta")
-    gm = frontend.trace(module, meta_inputs, file=str(model_file.path))
+    gm = frontend.trace(module, meta_inputs, file=str(model_file.path), replicate_repeated=True)
     PassManager([MetaShapes(meta_inputs), Annotate(), Blocks(max_blocks)]).run(gm)
     return gm, gm.meta[BLOCKS_KEY], meta_inputs
 

@@ -90,7 +90,7 @@ MAX_STAGES = 128
 # Replica capacities closer than 1/64 apart are one choice (bounds the model's size at large batches;
 # costs at most ~1.6% of a replica's time, and none below 64 samples).
 CAPACITY_STEP_FRACTION = 64
-MIXED_MAX_DEVICES = 128
+MIXED_MAX_DEVICES = 64
 
 
 def micro_batch_options(global_batch: int, limit: int = 64) -> list[int]:
