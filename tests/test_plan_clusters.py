@@ -27,16 +27,24 @@ def test_every_cluster_plans_the_gpt_example(cluster):
 
 def test_seed_mixed_32_gives_a100_pipelines_more_work_than_p100(tmp_path):
     cluster = next(c for c in cluster_files() if c.stem == "seed-mixed-32")
-    # at 64 samples the V100 and P100 pipelines are both latency-bound at the minimum of one sample
-    # (each tied-embedding holder runs a second collective); 128 leaves room for the speed to show
-    p = plan(GPT, cluster, PlanOptions(global_batch=128, use_all_devices=True)).plan
+    # at 64 samples every V100 and P100 pipeline is latency-bound at the minimum of one sample; 128
+    # leaves room for the speed to show
+    p = plan(GPT, cluster, PlanOptions(global_batch=128, use_all_devices=True, runners_up=False)).plan
 
     def rows_per_device(device_type: str) -> float:
-        reps = [r for r in p.replicas if r.stages[0].device_type == device_type]
-        assert reps, f"no {device_type} replica"
-        return sum(r.batch_share for r in reps) / sum(len(r.stages) for r in reps)
+        """Samples per device of a type, per stage: every stage of a replica processes all of its share
+        (the share spread over a replica's stages would rank pipeline depth, not speed)."""
+        rows = devices = 0.0
+        for r in p.replicas:
+            mine = sum(1 for st in r.stages if st.device_type == device_type)
+            rows += r.batch_share * mine
+            devices += mine
+        assert devices, f"no {device_type} stage"
+        return rows / devices
 
-    assert rows_per_device("A100-40GB") > rows_per_device("V100-32GB") > rows_per_device("P100-16GB")
+    assert rows_per_device("A100-40GB") > rows_per_device("V100-32GB") >= rows_per_device("P100-16GB")
+    # the slow P100s serve inside pipelines that start on V100s (one replica across two node groups)
+    assert any({st.device_type for st in r.stages} == {"V100-32GB", "P100-16GB"} for r in p.replicas)
 
 
 def test_same_inputs_give_byte_identical_plans(tmp_path):
