@@ -207,8 +207,13 @@ class StageProgram:
         return loss_sum
 
     def _emulate_slowdown(self, elapsed_s: float) -> None:
+        # busy, not asleep: an emulated slow device keeps its share of the host's cores for its whole
+        # stretched compute, as a real device stays busy; asleep, it would hand that share to the other
+        # emulated devices and make their speed depend on its schedule
         if self.ctx.stage.slowdown > 1.0:
-            time.sleep(elapsed_s * (self.ctx.stage.slowdown - 1.0))
+            end_s = time.perf_counter() + elapsed_s * (self.ctx.stage.slowdown - 1.0)
+            while time.perf_counter() < end_s:
+                pass
 
     def _forward(self, j: int, mb: tuple[Any, Any, int], saved: dict[int, dict[str, Any]]) -> float:
         ctx = self.ctx
