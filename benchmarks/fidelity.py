@@ -1,6 +1,6 @@
 """Does the cost model predict what the emitted program measures? (step time, peak memory, ranking)
 
-    python benchmarks/fidelity.py [--steps 14] [--calibration FILE] [--only gpt,mlp] [--quick]
+    python benchmarks/fidelity.py [--steps 20] [--calibration FILE] [--only gpt,mlp] [--quick]
 
 1. `plan profile --concurrency 4 --model ...` measures this machine (skipped with --calibration);
 2. every configuration (model x cluster x stage count x micro-batch) is planned with that calibration
@@ -12,9 +12,12 @@
 4. ranking: per (model, cluster), the plan predicted fastest must be measured fastest or within
    `RANKING_TOLERANCE` of it.
 
-Prints the table and writes benchmarks/results/fidelity.json. CPU load from other processes on the
-machine is recorded with each run (1-minute load average): it slows the measured runs and the profile.
-The first configuration is run once more at the end: the difference is the run-to-run noise floor.
+Prints the table and writes benchmarks/results/fidelity.json. Load from other processes slows the
+measured runs and the profile: each starts once the machine is quiet (`wait_until_quiet`), and a run
+that other processes loaded anyway is repeated (`ATTEMPTS`); each record keeps the cores they used
+meanwhile (`other`) and the 1-minute load average before it (`load`, which counts this benchmark's own
+previous run too). The first configuration is run once more at the end: the difference is the
+run-to-run noise floor.
 """
 
 from __future__ import annotations
@@ -31,19 +34,34 @@ from pathlib import Path
 from statistics import mean, median
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:   # runnable as `python benchmarks/fidelity.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from costmodel.calibrate import OtherLoad  # noqa: E402
+
 EXAMPLES = REPO / "examples"
 CLUSTERS = {"hetero": EXAMPLES / "clusters" / "cpu-hetero-4.yaml",
             "homog": REPO / "benchmarks" / "clusters" / "cpu-homog-4.yaml"}
 RESULTS = REPO / "benchmarks" / "results"
 MODELS = ("gpt", "mlp", "resnet")
-# (global batch, [(stages, micro-batch), ...]) per model: batches that keep one run under a minute here
-CONFIGS = {"gpt": (16, ((1, 4), (2, 2))), "mlp": (64, ((1, 16), (2, 8))), "resnet": (16, ((1, 4), (2, 2)))}
+# (global batch, [(stages, micro-batch), ...]) per model: steps of 0.15-0.35 s (a few ms of scheduling
+# jitter on this shared 2-core host stay small against them), one run well under a minute
+CONFIGS = {"gpt": (256, ((1, 32), (2, 16))), "mlp": (8192, ((1, 1024), (2, 512))),
+           "resnet": (128, ((1, 16), (2, 8)))}
 WORLD = 4                       # processes of every configuration (both clusters have 4 devices)
 WARMUP_STEPS = 3                # step 0 traces the stages; the next ones warm allocator and caches
+DEFAULT_STEPS = 20              # the median is over the steps after warm-up
 RANKING_TOLERANCE = 0.05        # the predicted-fastest plan may be this much slower than the fastest
 TARGET_TIME_ERROR = 0.15        # mean absolute relative error targets on CPU (the issue's)
 TARGET_MEMORY_ERROR = 0.20
 RUN_TIMEOUT_S = 600
+# Other engineers' jobs share the machine: a run starts once other processes use at most QUIET_CORES
+# (averaged over QUIET_SAMPLE_S; one is 50% of this 2-core host), waiting up to QUIET_WAIT_S, and is
+# repeated (ATTEMPTS runs at most, the quietest kept) when they used more while it ran.
+QUIET_CORES = 0.25
+QUIET_SAMPLE_S = 5.0
+QUIET_WAIT_S = 1200.0
+ATTEMPTS = 3
 BYTES_PER_MIB = 2**20
 
 
@@ -61,6 +79,8 @@ class Result:
     predicted_memory_bytes: list[float]
     measured_memory_bytes: list[float]
     load_average_1min: float
+    other_cores: float              # cores other processes kept busy during the run (average)
+    attempts: int
 
     @property
     def name(self) -> str:
@@ -75,9 +95,26 @@ class Result:
         return [(p - m) / m for p, m in zip(self.predicted_memory_bytes, self.measured_memory_bytes, strict=True)]
 
 
+# ---- load from other processes ---------------------------------------------------------------------
+def wait_until_quiet(max_wait_s: float) -> float:
+    """Poll until other processes use at most `QUIET_CORES` over `QUIET_SAMPLE_S`; returns the last sample
+    (after `max_wait_s`, whatever it is: the run then goes ahead and its record shows the load)."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with OtherLoad() as load:
+            time.sleep(QUIET_SAMPLE_S)
+        cores = load.cores or 0.0          # None: not measurable here (no /proc/stat), so not waited for
+        if cores <= QUIET_CORES or time.monotonic() >= deadline:
+            return cores
+        print(f"  other processes use {cores:.1f} cores: waiting", file=sys.stderr, flush=True)
+
+
 def _cli(*args: str, timeout_s: float = RUN_TIMEOUT_S, env: dict[str, str] | None = None) -> str:
+    # the emitted program imports this checkout's packages wherever its folder lies
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=REPO, env={**os.environ, **(env or {})}, start_new_session=True)
+                          timeout=timeout_s, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **(env or {})},
+                          start_new_session=True)
     if proc.returncode != 0:
         raise SystemExit(f"`plan {' '.join(args[:2])}` failed ({proc.returncode}): "
                          f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
@@ -92,25 +129,40 @@ def profile(out: Path, quick: bool) -> None:
 
 
 def measure(model: str, cluster: str, stages: int, micro: int, batch: int, calibration: Path, steps: int,
-            work: Path) -> Result:
-    """Plan one configuration with the calibration, run it, and collect predicted and measured figures."""
+            work: Path, quiet_wait_s: float) -> Result:
+    """Plan one configuration with the calibration, run it, and collect predicted and measured figures.
+
+    The run starts once the machine is quiet (`wait_until_quiet`); a run during which other processes
+    kept more than `QUIET_CORES` busy is repeated (up to `ATTEMPTS` runs), and the quietest one is kept."""
     out = work / f"{model}-{cluster}-S{stages}-m{micro}"
     _cli(str(EXAMPLES / model / "model.py"), "--cluster", str(CLUSTERS[cluster]), "--calibration",
          str(calibration), "--stages", str(stages), "--use-all-devices", "--micro-batch", str(micro),
          "--global-batch", str(batch), "-o", str(out))
     plan = json.loads((out / "plan.json").read_text())
-    load = os.getloadavg()[0]
-    _cli("run", str(out), "--steps", str(steps), env={"HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"})
-    lines = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    per_step: dict[int, float] = {}
-    peak = [0.0] * plan["world_size"]
-    for m in lines:
-        per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
-        peak[m["rank"]] = max(peak[m["rank"]], float(m["peak_memory_bytes"]))
-    timed = [t for step, t in sorted(per_step.items()) if step >= WARMUP_STEPS]
+    runs = []
+    for _ in range(ATTEMPTS):
+        wait_until_quiet(quiet_wait_s)
+        load = os.getloadavg()[0]
+        with OtherLoad() as other:
+            _cli("run", str(out), "--steps", str(steps), env={"HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"})
+        other_cores = other.cores or 0.0
+        runs.append((other_cores, load, _read_metrics(out / "run" / "metrics.jsonl", plan["world_size"])))
+        if other_cores <= QUIET_CORES:
+            break
+    other_cores, load, (timed, peak) = min(runs, key=lambda r: r[0])
     return Result(model, cluster, stages, micro, batch, [r["batch_share"] for r in plan["replicas"]],
                   plan["estimates"]["iteration_s"], median(timed), timed,
-                  list(plan["estimates"]["memory_bytes"]), peak, load)
+                  list(plan["estimates"]["memory_bytes"]), peak, load, other_cores, len(runs))
+
+
+def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
+    """Step times after warm-up (per step, the slowest rank's) and each rank's peak memory."""
+    per_step: dict[int, float] = {}
+    peak = [0.0] * world
+    for m in (json.loads(line) for line in path.read_text().splitlines()):
+        per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
+        peak[m["rank"]] = max(peak[m["rank"]], float(m["peak_memory_bytes"]))
+    return [t for step, t in sorted(per_step.items()) if step >= WARMUP_STEPS], peak
 
 
 def ranking(results: list[Result]) -> list[dict[str, object]]:
@@ -131,30 +183,22 @@ def ranking(results: list[Result]) -> list[dict[str, object]]:
 
 def table(results: list[Result]) -> str:
     head = (f"{'configuration':26s} {'shares':>10s} {'pred ms':>8s} {'meas ms':>8s} {'err':>6s}  "
-            f"{'mem pred/meas MiB per rank':30s} {'mem err':>7s} {'load':>5s}")
+            f"{'mem pred/meas MiB per rank':30s} {'mem err':>7s} {'load':>5s} {'other':>5s}")
     rows = [head, "-" * len(head)]
     for r in results:
         mem = " ".join(f"{p / BYTES_PER_MIB:.0f}/{m / BYTES_PER_MIB:.0f}"
                        for p, m in zip(r.predicted_memory_bytes, r.measured_memory_bytes, strict=True))
         rows.append(f"{r.name:26s} {':'.join(map(str, r.shares)):>10s} {r.predicted_step_s * 1e3:8.1f} "
                     f"{r.measured_step_s * 1e3:8.1f} {r.time_error:+6.0%}  {mem:30s} "
-                    f"{mean(abs(e) for e in r.memory_errors):7.1%} {r.load_average_1min:5.1f}")
+                    f"{mean(abs(e) for e in r.memory_errors):7.1%} {r.load_average_1min:5.1f} {r.other_cores:5.2f}")
     return "\n".join(rows)
-
-
-def padded_waits(r: Result) -> bool:
-    """Whether the run pads p2p waits: the emulation (runtime._emulate_slowdown) stretches each forward/
-    backward step of a slow device by its wall time, receive waits included, so on slow pipelines of
-    two or more stages the waits compound; the cost model pads compute only, as the spec describes."""
-    return r.cluster == "hetero" and r.stages > 1
 
 
 def summarise(results: list[Result], checks: list[dict[str, object]]) -> dict[str, object]:
     time_mape = mean(abs(r.time_error) for r in results)
     memory_mape = mean(abs(e) for r in results for e in r.memory_errors)
-    clean = [abs(r.time_error) for r in results if not padded_waits(r)]
     return {"step_time_mean_abs_error": time_mape, "memory_mean_abs_error": memory_mape,
-            "step_time_mean_abs_error_without_padded_waits": mean(clean) if clean else None,
+            "max_other_cores": max(r.other_cores for r in results),
             "step_time_target": TARGET_TIME_ERROR, "memory_target": TARGET_MEMORY_ERROR,
             "step_time_ok": time_mape <= TARGET_TIME_ERROR, "memory_ok": memory_mape <= TARGET_MEMORY_ERROR,
             "ranking_ok": all(c["ok"] for c in checks)}
@@ -162,29 +206,37 @@ def summarise(results: list[Result], checks: list[dict[str, object]]) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=14, help="training steps per run (first ones are warm-up)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per run (first ones are warm-up)")
     p.add_argument("--calibration", type=Path, default=None, help="use this file instead of profiling now")
     p.add_argument("--only", default=",".join(MODELS), help="comma-separated models")
     p.add_argument("--clusters", default=",".join(CLUSTERS), help="comma-separated: hetero, homog")
     p.add_argument("--quick", action="store_true", help="quick profile (noisier calibration)")
     p.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    p.add_argument("--quiet-wait", type=float, default=QUIET_WAIT_S,
+                   help="seconds to wait, before each run, for other processes to leave the cores free")
     args = p.parse_args(argv)
     start = time.perf_counter()
     calibration = args.calibration or RESULTS / "calibration.json"
+    profile_other_cores = None
     if args.calibration is None:
-        profile(calibration, args.quick)
+        wait_until_quiet(args.quiet_wait)
+        with OtherLoad() as other:
+            profile(calibration, args.quick)
+        profile_other_cores = other.cores or 0.0
+        print(f"profiled while other processes used {profile_other_cores:.2f} cores", flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="hetplan-fidelity-") as tmp:
         for model in args.only.split(","):
             batch, shapes = CONFIGS[model]
             for cluster in args.clusters.split(","):
                 for stages, micro in shapes:
-                    results.append(measure(model, cluster, stages, micro, batch, calibration, args.steps, Path(tmp)))
+                    results.append(measure(model, cluster, stages, micro, batch, calibration, args.steps, Path(tmp),
+                                           args.quiet_wait))
                     print(table(results[-1:]).splitlines()[-1], flush=True)
         # repeatability: the first configuration once more, after all the others (same plan, new run)
         first = results[0]
         again = measure(first.model, first.cluster, first.stages, first.micro_batch, first.global_batch,
-                        calibration, args.steps, Path(tmp))
+                        calibration, args.steps, Path(tmp), args.quiet_wait)
     drift = abs(again.measured_step_s - first.measured_step_s) / first.measured_step_s
     print(f"repeat of {first.name}: {again.measured_step_s * 1e3:.1f} ms against {first.measured_step_s * 1e3:.1f} ms "
           f"({drift:.0%} apart): the run-to-run noise floor on this machine")
@@ -194,15 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     for c in checks:
         print(f"ranking {c['model']}/{c['cluster']}: predicted fastest {c['predicted_fastest']}, measured fastest "
               f"{c['measured_fastest']} ({c['slower_than_fastest']:+.1%}) {'ok' if c['ok'] else 'MISS'}")
-    if summary["step_time_mean_abs_error_without_padded_waits"] is not None:
-        print(f"step time without the runs whose emulation pads p2p waits (hetero, 2 stages): mean |error| "
-              f"{summary['step_time_mean_abs_error_without_padded_waits']:.1%}")
     print(f"step time: mean |error| {summary['step_time_mean_abs_error']:.1%} (target {TARGET_TIME_ERROR:.0%}); "
           f"memory: {summary['memory_mean_abs_error']:.1%} (target {TARGET_MEMORY_ERROR:.0%}); "
           f"ranking {'ok' if summary['ranking_ok'] else 'MISS'}; {time.perf_counter() - start:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "calibration": str(calibration), "steps": args.steps, "warmup_steps": WARMUP_STEPS, "summary": summary,
+        "calibration": str(calibration), "profile_other_cores": profile_other_cores, "steps": args.steps,
+        "warmup_steps": WARMUP_STEPS, "summary": summary,
         "ranking": checks, "repeat": {**asdict(again), "name": again.name},
         "configurations": [{**asdict(r), "name": r.name, "step_time_error": r.time_error,
                                                 "memory_errors": r.memory_errors} for r in results]},

@@ -3,11 +3,13 @@
 Runs `max(concurrency, 2)` worker processes (`costmodel.calibrate_worker`) on gloo (a free local
 port, a short collective timeout); the first `concurrency` of them run every compute benchmark at the
 same time, so the figures describe one rank of a job with that many processes sharing the host (the
-emitted program on CPU runs one single-threaded process per device). Pairs of workers, then all of
-them, measure point-to-point and all-reduce; with `--model`, the computing workers train the model
-together for a few steps (`costmodel.modelbench`). This parent fits the medians over workers and
-writes the JSON that `costmodel.calibration.load_calibration` reads. Children are reaped on success,
-failure or timeout.
+emitted program on CPU runs one single-threaded process per device); on a CPU they are timed in CPU
+seconds and windows of CPU-bound work on all of them at once give the share of a core each gets
+(`host_sharing.contention_factor`). Pairs of workers, then all of them, measure point-to-point (also
+while the others compute, as in a pipeline) and all-reduce; with `--model`, the computing workers train
+the model together for a few steps (`costmodel.modelbench`). This parent fits the medians over workers
+and writes the JSON that `costmodel.calibration.load_calibration` reads, with the load other processes
+put on the host meanwhile (`host_load`). Children are reaped on success, failure or timeout.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -33,12 +36,55 @@ QUICK_TIMEOUT_S = 60.0
 FULL_TIMEOUT_S = 600.0
 QUICK_REPEATS = 5
 FULL_REPEATS = 15
-# Micro-batch sizes at which a given model is timed (slope = per sample, intercept = per micro-batch).
+# Small micro-batch sizes at which a given model is timed (with one large size modelbench picks per model:
+# slope = per sample, intercept = per micro-batch).
 MODEL_MICRO_BATCHES = (1, 8)
+# Share of a core per process: windows of CPU-bound work on every computing worker at once, each much
+# longer than a scheduler time slice (a few ms), median over windows and workers.
+CONTENTION_WINDOW_S = 0.25
+CONTENTION_WINDOWS = 4
+QUICK_CONTENTION_WINDOWS = 1
+# Floor of the in-situ factors: a figure measured as (almost) free in place is noise, not a faster link.
+MIN_IN_SITU_FACTOR = 0.25
 METHOD = ("chains of 8 aten ops per class and size (own weights each), forward with autograd recording and "
-          "backward, each repetition after 2 ms of unrelated work; medians over repeats, then over the "
-          "concurrent workers; fits time = overhead + work/rate weighted by 1/time, work as counted by "
-          "costmodel.ops.OpCounter")
+          "backward, each repetition after 2 ms of unrelated work, in CPU seconds on a CPU device; medians "
+          "over repeats, then over the concurrent workers; fits time = overhead + work/rate weighted by "
+          "1/time, work as counted by costmodel.ops.OpCounter; CPU seconds become wall seconds at the "
+          "measured share of a core (host.contention_factor)")
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (user, nice, system, irq, softirq, steal: /proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its finished (reaped) descendants."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class OtherLoad:
+    """Cores kept busy, on average while the `with` block runs, by processes other than this one and the
+    children it reaped in the block: load that measurements taken meanwhile did not ask for. `cores` is
+    None where /proc/stat is missing (not Linux)."""
+
+    cores: float | None = None
+
+    def __enter__(self) -> OtherLoad:
+        try:
+            self._start: tuple[float, float, float] | None = (time.perf_counter(), _busy_cpu_s(), _own_cpu_s())
+        except OSError:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start is not None:
+            wall, busy, own = (b - a for a, b in zip(self._start, (time.perf_counter(), _busy_cpu_s(), _own_cpu_s()),
+                                                     strict=True))
+            self.cores = max(busy - own, 0.0) / max(wall, 1e-9)
 
 
 def free_port() -> int:
@@ -53,7 +99,8 @@ def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", d
     """Measure and fit; returns the calibration document (validated by `parse_calibration`)."""
     world = max(concurrency, 2)
     limit_s = timeout_s or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
-    with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as tmp:
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as tmp, OtherLoad() as other:
         port = free_port()
         procs: list[tuple[subprocess.Popen[bytes], Any]] = []
         try:
@@ -64,6 +111,8 @@ def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", d
         _wait_all(procs, limit_s, tmp)
         results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     doc = _document(results, concurrency, device, device_name)
+    # other processes' load slows what was measured: kept with the figures, so a noisy file shows it
+    doc["host_load"] = {"load_average_1min_before": load_before, "other_cores_during": other.cores}
     parse_calibration(doc, "<measured>")   # what we write must read back
     return doc
 
@@ -207,7 +256,8 @@ def _document(results: list[dict[str, Any]], concurrency: int, device: str,
         compute[precision] = {c: _op_class_fit([p for p in points if p["op_class"] == c], c) for c in classes}
     optimizer = _medians([r["optimizer"] for r in computing], ("time_s",))
     pairs = [r for r in results if r["comm"]["p2p"]]
-    comm = {kind: _medians([r["comm"][kind] for r in pairs], ("time_s",)) for kind in ("p2p", "allreduce_2")}
+    comm = {kind: _medians([r["comm"][kind] for r in pairs], ("time_s",))
+            for kind in ("p2p", "allreduce_2", "p2p_in_place")}
     # the ring link comes from the all-reduce over all workers when there are more than two (the job's
     # data-parallel group on this host; gloo's per-hop cost grows with oversubscription), else the pair's
     ring_points = [{**p, "processes": 2.0} for p in comm["allreduce_2"]]
@@ -216,6 +266,8 @@ def _document(results: list[dict[str, Any]], concurrency: int, device: str,
         ring_points = comm["allreduce_world"]
     samples.update(optimizer=optimizer, comm=comm)
     first = results[0]
+    windows = [w for r in computing for w in r.get("contention") or []]
+    contention = max(median(windows), 1.0) if windows else 1.0
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "device": {"name": device_name or first["device_name"], "description": first["description"],
@@ -223,9 +275,15 @@ def _document(results: list[dict[str, Any]], concurrency: int, device: str,
                    "threads_per_process": first["threads_per_process"]},
         "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": platform.node() or "unknown", "cpu_cores": os.cpu_count() or 1,
+        "host_sharing": {"processes": concurrency, "cores": os.cpu_count() or 1, "contention_factor": contention,
+                         "windows": windows, "method": (
+                             f"wall / CPU seconds of {CONTENTION_WINDOW_S} s windows of CPU-bound work run by "
+                             "every computing worker at once; converts the CPU seconds of compute, update and "
+                             "batch figures to wall seconds of one process of such a job")},
         "torch_version": first["torch_version"], "method": METHOD,
         "compute": compute, "optimizer": _optimizer_fit(optimizer),
         "comm": {"backend": "gloo", "processes": len(results), "p2p": _alpha_beta(comm["p2p"]),
+                 "p2p_in_place": _alpha_beta(comm["p2p_in_place"]),
                  "allreduce_2": _alpha_beta(comm["allreduce_2"]), "allreduce_ring": _ring_fit(ring_points)},
         "memory": {"torch_process_group_bytes": median(r["torch_process_group_bytes"] for r in results),
                    "framework_bytes": median(r["framework_bytes"] for r in results),
@@ -235,35 +293,45 @@ def _document(results: list[dict[str, Any]], concurrency: int, device: str,
     }
     if computing[0]["models"]:
         doc["models"] = _model_timings(computing, doc)
-        factors = [m["tail_in_situ_factor"] for m in doc["models"].values() if m["processes"] >= 2]
-        if factors:
-            doc["in_situ"] = {"tail_factor": median(factors), "method": (
-                "median over the timed models of (gradient sync + update measured inside their training "
-                "step) / (ring all-reduce + update predicted from the microbenchmark fits); scales the "
-                "ring link and the update costs")}
+        timed = [m for m in doc["models"].values() if m["processes"] >= 2]
+        if timed:
+            doc["in_situ"] = {
+                "sync_factor": max(median(m["sync_in_situ_factor"] for m in timed), MIN_IN_SITU_FACTOR),
+                "update_factor": max(median(m["update_in_situ_factor"] for m in timed), MIN_IN_SITU_FACTOR),
+                "method": (
+                    "medians over the timed models of: the gradient sync measured inside their training "
+                    "step / the ring all-reduce predicted from the microbenchmark fit, which it scales; and "
+                    "the update measured inside the step (CPU s) / the update fit, which it scales")}
     return doc
 
 
 def _model_timings(computing: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
-    """Per timed model: forward/backward/batch() fits over the micro-batch sizes, and how its measured
-    gradient sync + update compare with what the microbenchmark fits predict for its gradients."""
+    """Per timed model: forward/backward/batch() fits over the micro-batch sizes (CPU seconds on a CPU
+    device), and how its gradient sync and update in place compare with the microbenchmark fits.
+
+    The sync in place is the wall time of the program's gradient sync inside the step: the all-reduce
+    entered right after compute, while every other process of the job is in it too (on a virtual host
+    idle processors wake up slowly: measured here, an all-reduce of 4 bytes over 4 processes took
+    7-24 ms after compute against ~1 ms between busy processes), and the wait for ranks whose compute
+    ended later."""
     timings = {}
     ring, update = doc["comm"]["allreduce_ring"], doc["optimizer"]
     for i, measured in enumerate(computing[0]["models"]):
         points = _medians([r["models"][i]["points"] for r in computing],
-                          ("batch_s", "fwd_s", "bwd_s", "sync_s", "update_s"))
+                          ("batch_s", "fwd_s", "bwd_s", "sync_s", "update_s", "step_s"))
         sizes = [p["micro_batch"] for p in points]
         fwd, bwd, data = (fit_line(sizes, [p[k] for p in points]) for k in ("fwd_s", "bwd_s", "batch_s"))
         n, nbytes, tensors = measured["processes"], measured["grad_bytes"], measured["param_tensors"]
         ring_s = 2 * (n - 1) * ring["latency_s"] + 2 * (n - 1) / n * nbytes / ring["bandwidth_bytes_per_s"]
         update_s = update["per_step_s"] + tensors * update["per_tensor_s"] + nbytes / update["param_bytes_per_s"]
-        tail_s = median(p["sync_s"] + p["update_s"] for p in points)
+        sync_s = median(p["sync_s"] for p in points)
         timings[measured["key"]] = {
             "path": measured["path"], "micro_batches": sizes, "processes": n, "grad_bytes": nbytes,
             "param_tensors": tensors, "fwd_s_per_sample": fwd[1], "fwd_s_per_micro_batch": fwd[0],
             "bwd_s_per_sample": bwd[1], "bwd_s_per_micro_batch": bwd[0], "batch_s_per_sample": data[1],
-            "batch_s_per_call": data[0], "sync_s": median(p["sync_s"] for p in points),
-            "update_s": median(p["update_s"] for p in points), "tail_in_situ_factor": tail_s / (ring_s + update_s)}
+            "batch_s_per_call": data[0], "step_s": [p["step_s"] for p in points], "sync_s": sync_s,
+            "update_s": median(p["update_s"] for p in points), "sync_in_situ_factor": sync_s / ring_s,
+            "update_in_situ_factor": median(p["update_s"] for p in points) / update_s}
     return timings
 
 

@@ -88,7 +88,14 @@ def worker_main(argv: list[str]) -> int:
                             timeout=datetime.timedelta(seconds=WORKER_COLLECTIVE_TIMEOUT_S))
     result: dict[str, Any] = {"torch_process_group_bytes": _peak_rss_bytes()}
     from costmodel import microbench as mb
-    from costmodel.calibrate import FULL_REPEATS, MODEL_MICRO_BATCHES, QUICK_REPEATS
+    from costmodel.calibrate import (
+        CONTENTION_WINDOW_S,
+        CONTENTION_WINDOWS,
+        FULL_REPEATS,
+        MODEL_MICRO_BATCHES,
+        QUICK_CONTENTION_WINDOWS,
+        QUICK_REPEATS,
+    )
 
     result["framework_bytes"] = _framework_bytes()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -108,6 +115,9 @@ def worker_main(argv: list[str]) -> int:
         points = [in_step(lambda c=case, dt=dtype: mb.measure_case(c, device, dt, repeats))
                   for case in mb.compute_cases(args.quick)]
         result["compute"][precision] = points
+    if args.device == "cpu":     # compute above is in CPU seconds: the share of a core converts it to wall
+        windows = QUICK_CONTENTION_WINDOWS if args.quick else CONTENTION_WINDOWS
+        result["contention"] = [in_step(lambda: mb.measure_contention(CONTENTION_WINDOW_S)) for _ in range(windows)]
     solo = [dist.new_group([r]) for r in range(args.world)][args.rank]   # new_group is collective
     result["optimizer"] = in_step(lambda: mb.measure_update(device, args.quick, repeats, solo))
     from costmodel.modelbench import computing_group, measure_model
@@ -117,6 +127,7 @@ def worker_main(argv: list[str]) -> int:
                         for m in args.model]
     dist.barrier()
     result["comm"] = mb.measure_comm(args.rank, args.world, args.quick, repeats)
+    result["comm"]["p2p_in_place"] = mb.measure_p2p_in_place(args.rank, args.world, args.quick, repeats)
     dist.barrier()
     dist.destroy_process_group()
     (args.dir / f"rank{args.rank}.json").write_text(json.dumps(result))

@@ -8,6 +8,12 @@ Compute is fitted per op class as `time = overhead + work / rate`, forward and b
 is FLOPs for dense classes (matmul, conv, attention) and bytes for memory-bound ones (elementwise,
 counted as the planner counts them: forward bytes, times `BACKWARD_BYTES_FACTOR` for backward);
 views cost overhead only.
+
+Compute, update and batch figures are measured in CPU seconds on a CPU device; the typed record holds
+them as wall seconds of one process of the profiled job: times the host's contention factor (wall per
+CPU second when `concurrent_processes` share the host's cores, `host_sharing` in the file). The
+in-place factors (`in_situ`) scale the ring all-reduce and the update to what the model training steps
+of the profile measured.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, NoReturn
 from planner.errors import HetplanError
 from planner.spec import DeviceType, Link
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DENSE_CLASSES = ("matmul", "conv", "attention")
 MEMORY_CLASSES = ("elementwise",)
 OP_CLASSES = (*DENSE_CLASSES, *MEMORY_CLASSES, "view")
@@ -93,12 +99,14 @@ class Calibration:
     optimizer_s_per_step: float                      # per-step update (grad-sync bookkeeping, AdamW,
     optimizer_s_per_tensor: float                    # zero_grad): fixed, per tensor, and
     optimizer_bytes_per_s: float                     # per fp32 parameter byte
-    p2p: AlphaBeta                                   # one-way send/recv between two processes
+    p2p: AlphaBeta                                   # one way, while the job computes (else idle ping-pong)
     allreduce_2: AlphaBeta                           # all-reduce over two processes, whole call
     ring: AlphaBeta                                  # per-hop latency and bandwidth of the ring model
     framework_bytes: float                           # process memory before any model (torch + group)
     models: Mapping[str, ModelTiming] = field(default_factory=dict)
-    tail_factor: float = 1.0                         # in-situ factor already applied to ring + update
+    contention_factor: float = 1.0                   # wall per CPU second, already applied to compute
+    sync_factor: float = 1.0                         # in-situ factors already applied to the ring
+    update_factor: float = 1.0                       # and to the update
 
     def matches(self, device: DeviceType) -> bool:
         """Whether `device` is the calibrated type: same name, or derived from it (`base:`)."""
@@ -132,7 +140,9 @@ class Calibration:
         return Link(kind, self.ring.bandwidth_bytes_s, self.ring.latency_s)
 
     def p2p_link(self, kind: str) -> Link:
-        """A link with the measured one-way point-to-point latency and bandwidth."""
+        """A link with the measured one-way point-to-point latency and bandwidth: as a pipeline sees them, while
+        the other processes of the job compute (`microbench.measure_p2p_in_place`), or, in a file without
+        that, one way of a ping-pong between idle processes."""
         return Link(kind, self.p2p.bandwidth_bytes_s, self.p2p.latency_s)
 
 
@@ -185,29 +195,42 @@ def parse_calibration(data: Any, file: str = "<calibration>") -> Calibration:
         compute[precision] = {name: _op_rates(classes.obj(name), name) for name in classes.data}
         if not any(c in compute[precision] for c in DENSE_CLASSES):
             classes.fail("", "no dense op class (matmul, conv, attention) measured", "re-run `plan profile`")
+    # compute, update and batch were timed in CPU seconds: wall seconds at the host's share of a core
+    contention = top.obj("host_sharing").number("contention_factor")
+    compute = {precision: {name: _contended(rates, contention) for name, rates in classes.items()}
+               for precision, classes in compute.items()}
     models = {}
     if "models" in top.data:
         section = top.obj("models")
         for key in section.data:
             m = section.obj(key)
-            models[key] = ModelTiming(key, m.text("path"), *(m.number(f, positive=False) for f in (
+            models[key] = ModelTiming(key, m.text("path"), *(m.number(f, positive=False) * contention for f in (
                 "fwd_s_per_sample", "fwd_s_per_micro_batch", "bwd_s_per_sample", "bwd_s_per_micro_batch",
                 "batch_s_per_sample", "batch_s_per_call")))
-    # measured inside a model's training step, the sync + update run slower than their microbenchmarks
-    # predict (`in_situ.tail_factor`): the typed record carries the in-situ figures
-    tail = top.obj("in_situ").number("tail_factor") if "in_situ" in top.data else 1.0
+    # measured inside a model's training step, the sync and the update differ from their microbenchmarks
+    in_situ = top.obj("in_situ") if "in_situ" in top.data else None
+    sync = in_situ.number("sync_factor") if in_situ else 1.0
+    update = (in_situ.number("update_factor") if in_situ else 1.0) * contention
     ring = _alpha_beta(comm.obj("allreduce_ring"))
     return Calibration(
         source=file, device_name=device.text("name"), description=device.text("description"),
         kind=device.choice("kind", ("cpu", "cuda")),
         measured_at=top.text("measured_at"), concurrent_processes=int(device.number("concurrent_processes")),
         threads_per_process=int(device.number("threads_per_process")), compute=compute,
-        optimizer_s_per_step=optimizer.number("per_step_s", positive=False) * tail,
-        optimizer_s_per_tensor=optimizer.number("per_tensor_s", positive=False) * tail,
-        optimizer_bytes_per_s=optimizer.number("param_bytes_per_s") / tail,
-        p2p=_alpha_beta(comm.obj("p2p")), allreduce_2=_alpha_beta(comm.obj("allreduce_2")),
-        ring=AlphaBeta(ring.latency_s * tail, ring.bandwidth_bytes_s / tail),
-        framework_bytes=top.obj("memory").number("framework_bytes"), models=models, tail_factor=tail)
+        optimizer_s_per_step=optimizer.number("per_step_s", positive=False) * update,
+        optimizer_s_per_tensor=optimizer.number("per_tensor_s", positive=False) * update,
+        optimizer_bytes_per_s=optimizer.number("param_bytes_per_s") / update,
+        p2p=_alpha_beta(comm.obj("p2p_in_place" if "p2p_in_place" in comm.data else "p2p")),
+        allreduce_2=_alpha_beta(comm.obj("allreduce_2")),
+        ring=AlphaBeta(ring.latency_s * sync, ring.bandwidth_bytes_s / sync),
+        framework_bytes=top.obj("memory").number("framework_bytes"), models=models,
+        contention_factor=contention, sync_factor=sync, update_factor=update / contention)
+
+
+def _contended(rates: OpClassRates, factor: float) -> OpClassRates:
+    """`rates` of a process that gets 1 / `factor` of a core."""
+    return OpClassRates(rates.fwd_overhead_s * factor, rates.bwd_overhead_s * factor,
+                        rates.fwd_work_per_s / factor, rates.bwd_work_per_s / factor)
 
 
 def _op_rates(obj: _Obj, name: str) -> OpClassRates:

@@ -5,6 +5,13 @@ is the previous op's output and each has its own weights, as in a traced stage),
 autograd recording and backward, and reports seconds per op. Work per op is counted by
 `costmodel.ops.OpCounter`, the same counter the planner uses, so the fitted rates apply to its counts.
 
+On a CPU device compute is timed in CPU seconds of the process (`work_clock`), not wall seconds: when
+more processes than cores share the host, a short timed region runs either whole inside one time slice
+(wall = CPU) or across another process's slice (wall = CPU + that slice), so wall medians of short
+regions say little about the share of a core a process really gets. That share is measured once, over
+windows much longer than a time slice (`measure_contention`), and converts CPU seconds to wall seconds
+(measured here, 4 processes on 2 cores: 1.96-2.04 wall seconds per CPU second).
+
 Every timed repetition follows `DISTURB_S` of unrelated work (a matmul and a sweep over a buffer
 larger than the caches): in a training step each op and each collective runs once, between others,
 and on an oversubscribed CPU host that makes them markedly slower than in a hot loop (measured here,
@@ -17,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from statistics import median
+from statistics import mean, median
 from typing import Any
 
 import torch
@@ -110,44 +117,64 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time_s(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    """Median wall time of `fn` over `repeats` runs after `WARMUP_RUNS` untimed ones, each after `disturb()`."""
+def work_clock(device: torch.device) -> Callable[[], float]:
+    """The clock compute is timed with: CPU seconds of this process on a CPU device (see the module
+    docstring; the profiling workers, like the CPU program, run one compute thread, so CPU seconds are
+    that thread's), wall seconds on an accelerator (whose kernels run on the device, not on a CPU core)."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
+def median_time_s(fn: Callable[[], Any], repeats: int, device: torch.device,
+                  clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median time of `fn` on `clock` (wall by default) over `repeats` runs after `WARMUP_RUNS` untimed
+    ones, each after `disturb()`."""
     for _ in range(WARMUP_RUNS):
         fn()
     _sync(device)
     times = []
     for _ in range(repeats):
         disturb()
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return median(times)
 
 
 def fwd_bwd_times_s(forward: Callable[[], Any], backward: Callable[[Any], None], repeats: int,
                     device: torch.device) -> tuple[float, float]:
-    """Median forward and median backward seconds, both timed within each run."""
+    """Median forward and median backward seconds (`work_clock`), both timed within each run."""
     fwd, bwd = fwd_bwd_samples_s(forward, backward, repeats, device)
     return median(fwd), median(bwd)
 
 
 def fwd_bwd_samples_s(forward: Callable[[], Any], backward: Callable[[Any], None], repeats: int,
                       device: torch.device) -> tuple[list[float], list[float]]:
-    """Forward and backward seconds of `repeats` runs (after `WARMUP_RUNS`), both timed within each run."""
+    """Forward and backward seconds (`work_clock`) of `repeats` runs (after `WARMUP_RUNS`)."""
+    clock = work_clock(device)
     fwd, bwd = [], []
     for i in range(WARMUP_RUNS + repeats):
         disturb()
-        start = time.perf_counter()
+        start = clock()
         out = forward()
         _sync(device)
-        mid = time.perf_counter()
+        mid = clock()
         backward(out)
         _sync(device)
         if i >= WARMUP_RUNS:
             fwd.append(mid - start)
-            bwd.append(time.perf_counter() - mid)
+            bwd.append(clock() - mid)
     return fwd, bwd
+
+
+def measure_contention(window_s: float) -> float:
+    """Wall seconds per CPU second of this process over `window_s` of CPU-bound work (`disturb`'s), run by
+    every computing worker at once: the inverse of the share of a core one process of the job gets
+    (1.0 with a core per process, about processes / cores when there are fewer)."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall0 < window_s:
+        disturb()
+    return (time.perf_counter() - wall0) / max(time.process_time() - cpu0, 1e-9)
 
 
 def measure_case(case: Case, device: torch.device, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
@@ -174,7 +201,8 @@ def measure_case(case: Case, device: torch.device, dtype: torch.dtype, repeats: 
 def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: Any) -> list[dict[str, float]]:
     """The program's per-step parameter update, per (tensors, size): on CPU its gradient synchronisation
     code (`backends.torchdist.gradsync.GradientSync`: flatten, all-reduce, copy back) over a one-process
-    gloo group, so without any transfer; then AdamW step and zero_grad(set_to_none=False)."""
+    gloo group, so without any transfer; then AdamW step and zero_grad(set_to_none=False). Timed on
+    `work_clock`."""
     from backends.torchdist.gradsync import GradientSync
     from planner.ir import GradGroup
 
@@ -196,7 +224,56 @@ def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: 
             opt.zero_grad(set_to_none=False)
 
         points.append({"tensors": float(tensors), "param_bytes": float(tensors * numel * 4),
-                       "time_s": median_time_s(step, repeats, device)})
+                       "time_s": median_time_s(step, repeats, device, work_clock(device))})
+    return points
+
+
+def _round_trip(buf: torch.Tensor, peer: int, first: bool, message_tag: int = 0) -> None:
+    """`buf` to `peer` and back (`first`: this rank sends first), each transfer waited for."""
+    for op in ((dist.isend, dist.irecv) if first else (dist.irecv, dist.isend)):
+        work = op(buf, peer, tag=message_tag)
+        if work is not None:      # None only for a rank outside the group
+            work.wait()
+
+
+# While one pair of workers exchanges messages, the others compute for this long (longer than the pair's
+# repetitions take), so that every message is received under the job's real contention.
+IN_PLACE_WINDOW_S = 0.5
+IN_PLACE_REPEATS_FACTOR = 2
+
+
+def measure_p2p_in_place(rank: int, world: int, quick: bool, repeats: int) -> list[dict[str, float]]:
+    """One-way point-to-point time per message size as a pipeline sees it: pairs (0,1), (2,3), ... take
+    turns at ping-pong (one way = half the round trip) while every other worker computes. In a pipeline
+    a stage waits for its neighbour while the other ranks of the job compute, so the receiver's wake-up
+    competes with them for a core; ping-pong while everyone idles (`measure_comm`) misses that: on a
+    virtual host an idle processor wakes up slowly (measured here, 4 processes on 2 cores, up to 64 KB:
+    0.3-1.9 ms one way while the others compute, 2.9-3.6 ms while all idle). The figure is the mean over
+    `IN_PLACE_REPEATS_FACTOR * repeats` round trips after `WARMUP_RUNS`, not the median: a wake-up now
+    and then waits out another process's time slice (a tail of several ms), and a pipeline pays every
+    one of them."""
+    pairs = [(r, r + 1) for r in range(0, world - 1, 2)]
+    points = []
+    for nbytes in comm_sizes(quick):
+        buf = torch.zeros(max(nbytes // 4, 1))
+        per_pair = []
+        for a, b in pairs:
+            dist.barrier()
+            start = time.perf_counter()
+            if rank in (a, b):
+                peer, first = (b, True) if rank == a else (a, False)
+                times = []
+                for i in range(WARMUP_RUNS + IN_PLACE_REPEATS_FACTOR * repeats):
+                    t0 = time.perf_counter()
+                    _round_trip(buf, peer, first, i)
+                    times.append((time.perf_counter() - t0) / 2)
+                per_pair.append(mean(times[WARMUP_RUNS:]))
+            else:
+                while time.perf_counter() - start < IN_PLACE_WINDOW_S:
+                    disturb()
+        dist.barrier()
+        if per_pair:
+            points.append({"bytes": float(buf.numel() * 4), "time_s": median(per_pair)})
     return points
 
 
@@ -224,12 +301,7 @@ def measure_comm(rank: int, world: int, quick: bool, repeats: int) -> dict[str, 
         first = rank == pairs[mine][0]
 
         def ping_pong(buf: torch.Tensor = buf, peer: int = peer, first: bool = first) -> None:
-            if first:
-                dist.isend(buf, peer).wait()
-                dist.irecv(buf, peer).wait()
-            else:
-                dist.irecv(buf, peer).wait()
-                dist.isend(buf, peer).wait()
+            _round_trip(buf, peer, first)
 
         def allreduce(buf: torch.Tensor = buf, group: Any = groups[mine]) -> None:
             dist.all_reduce(buf, group=group)

@@ -2,10 +2,12 @@
 
     plan profile [--out calibration.json] [--model model.py ...] [--quick] [--concurrency N]
 
-Compute rates and per-op overheads per op class, optimizer cost, gloo point-to-point and all-reduce
-between local processes, and the framework's memory; with `--model`, the whole model's forward and
-backward time on real tensors (the cost model then scales its per-block estimates of that model to
-the measured totals). See `costmodel.calibrate` for the method and `costmodel.calibration` for the file.
+Compute rates and per-op overheads per op class, optimizer cost, the share of a core each of the
+`--concurrency` processes gets, gloo point-to-point (also while the other processes compute) and
+all-reduce between local processes, and the framework's memory; with `--model`, the whole model's
+forward and backward time on real tensors (the cost model then scales its per-block estimates of that
+model to the measured totals). Load from other processes meanwhile is recorded, with a warning when it
+was high. See `costmodel.calibrate` for the method and `costmodel.calibration` for the file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import HetplanError
+
+# Other processes' average load (cores) above which the profile's figures are flagged as measured on a busy host.
+BUSY_HOST_CORES = 0.25
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,9 +43,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
     """The headline figures of a calibration document, one per line."""
+    sharing = doc["host_sharing"]
     lines = [f"device {doc['device']['name']} ({doc['device']['description']}), "
              f"{doc['device']['concurrent_processes']} concurrent process(es), "
-             f"{doc['device']['threads_per_process']} thread(s) each"]
+             f"{doc['device']['threads_per_process']} thread(s) each, on {sharing['cores']} core(s): "
+             f"{sharing['contention_factor']:.2f} wall s per CPU s (compute below in CPU s)"]
     for precision, classes in doc["compute"].items():
         for name, r in sorted(classes.items()):
             rate = r.get("fwd_flop_per_s") or r.get("fwd_byte_per_s")
@@ -51,10 +58,15 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     opt, comm = doc["optimizer"], doc["comm"]
     lines.append(f"  update (grad-sync bookkeeping + AdamW + zero_grad) {opt['per_step_s'] * 1e6:.0f} us/step + "
                  f"{opt['per_tensor_s'] * 1e6:.1f} us/tensor + bytes / {opt['param_bytes_per_s'] / 1e9:.2f} GB/s")
-    for kind in ("p2p", "allreduce_2"):
+    for kind in ("p2p", "p2p_in_place", "allreduce_2"):
+        if kind not in comm:
+            continue
         c = comm[kind]
         lines.append(f"  gloo {kind:12s} {c['latency_s'] * 1e6:7.1f} us + bytes / "
                      f"{c['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
+    if "in_situ" in doc:
+        lines.append(f"  in place: gradient sync x{doc['in_situ']['sync_factor']:.2f} of the ring fit, "
+                     f"update x{doc['in_situ']['update_factor']:.2f} of its fit")
     lines.append(f"  framework memory {doc['memory']['framework_bytes'] / 2**20:.0f} MiB "
                  f"(torch + process group {doc['memory']['torch_process_group_bytes'] / 2**20:.0f} MiB)")
     for key, m in doc.get("models", {}).items():
@@ -86,5 +98,9 @@ def cmd_profile(argv: list[str]) -> int:
     out = Path(args.out)
     write_calibration(doc, out)
     print("\n".join(summary_lines(doc)))
+    other = doc["host_load"]["other_cores_during"]
+    if other is not None and other > BUSY_HOST_CORES:
+        print(f"warning: other processes kept {other:.1f} cores busy while profiling: the figures are slower than "
+              "this host; profile again when it is quiet")
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s (use: plan MODEL --cluster SPEC --calibration {out})")
     return 0

@@ -45,6 +45,7 @@ def synthetic(name: str = "CPU", matmul_flop_s: float = 1e10, overhead_s: float 
                  "allreduce_2": {"latency_s": 3e-4, "bandwidth_bytes_per_s": 5e8},
                  "allreduce_ring": {"latency_s": 2e-4, "bandwidth_bytes_per_s": 5e8}},
         "memory": {"framework_bytes": 300 * 2**20},
+        "host_sharing": {"processes": 1, "cores": 1, "contention_factor": 1.0},
     }
 
 
@@ -125,6 +126,43 @@ def test_measured_model_timing_sets_the_totals(mlp_blocks):
     # every rank builds the global batch (16 rows) once per step: charged with the first block's optimizer
     assert fast.optimizer_s[0] - plain.optimizer_s[0] == pytest.approx(1e-4 + 16 * 1e-5)
     assert fast.optimizer_s[1:] == plain.optimizer_s[1:]
+
+
+def test_contention_turns_cpu_seconds_into_wall_seconds(mlp_blocks):
+    """Compute, update and batch were timed in CPU seconds; a process getting half a core takes twice the
+    wall time for them, while links (timed in wall seconds) stay as measured."""
+    doc = synthetic()
+    key = model_key(tuple(b.signature for b in mlp_blocks), tuple(b.fwd_flops for b in mlp_blocks))
+    doc["models"] = {key: {"path": str(MLP), "fwd_s_per_sample": 1e-4, "fwd_s_per_micro_batch": 2e-3,
+                           "bwd_s_per_sample": 3e-4, "bwd_s_per_micro_batch": 4e-3,
+                           "batch_s_per_sample": 1e-5, "batch_s_per_call": 1e-4}}
+    shared = copy.deepcopy(doc)
+    shared["host_sharing"]["contention_factor"] = 2.0
+    alone, half = (_tables(mlp_blocks, parse_calibration(d)) for d in (doc, shared))
+    for a, h in zip(alone.classes, half.classes, strict=True):
+        for field in ("fwd_s", "bwd_s", "overhead_s", "optimizer_s"):
+            assert getattr(h, field) == pytest.approx(tuple(2 * v for v in getattr(a, field)))
+        assert h.intra_latency_s == a.intra_latency_s and h.intra_bandwidth_bytes_s == a.intra_bandwidth_bytes_s
+    assert half.inter_bandwidth_bytes_s == alone.inter_bandwidth_bytes_s
+    # a model the profile did not time is costed from the op-class rates: twice as slow as well
+    del doc["models"], shared["models"]
+    alone, half = (_tables(mlp_blocks, parse_calibration(d)).classes[0] for d in (doc, shared))
+    assert sum(half.fwd_s) == pytest.approx(2 * sum(alone.fwd_s))
+
+
+def test_one_process_alone_gets_a_whole_core_or_less():
+    """Wall per CPU second of a single-threaded process (as the profiling workers are): 1 with a core to
+    itself, more only when other processes share it."""
+    import torch
+
+    from costmodel.microbench import measure_contention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert measure_contention(0.05) >= 0.95
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_fits_recover_known_lines():
