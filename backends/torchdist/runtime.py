@@ -196,23 +196,31 @@ class StageProgram:
         saved: dict[int, dict[str, Any]] = {}
         loss_sum = 0.0
         for action in actions:
-            start_s, waited_s = time.perf_counter(), self.p2p.recv_wait_s
+            start_s = self._work_clock()
             if action.kind == "F":
                 loss_sum += self._forward(action.micro, micro[action.micro], saved)
             else:
                 self._backward(action.micro, micro[action.micro], saved)
             # pad the compute only: time blocked on incoming messages is not slowed down
-            self._emulate_slowdown(time.perf_counter() - start_s - (self.p2p.recv_wait_s - waited_s))
+            self._emulate_slowdown(self._work_clock() - start_s)
         self.p2p.wait_sends()
         return loss_sum
 
-    def _emulate_slowdown(self, elapsed_s: float) -> None:
-        # busy, not asleep: an emulated slow device keeps its share of the host's cores for its whole
-        # stretched compute, as a real device stays busy; asleep, it would hand that share to the other
-        # emulated devices and make their speed depend on its schedule
+    def _work_clock(self) -> float:
+        """Seconds of this rank's own work: CPU seconds on a CPU device (a blocked receive costs none, and a
+        time slice lost to another process is not counted, so the padding does not multiply it); wall
+        seconds less the time blocked in receives elsewhere."""
+        if self.ctx.device.type == "cpu":
+            return time.process_time()
+        return time.perf_counter() - self.p2p.recv_wait_s
+
+    def _emulate_slowdown(self, work_s: float) -> None:
+        # busy, not asleep: an emulated slow device does `slowdown` times the work, keeping its share of
+        # the host's cores for all of it, as a real device stays busy; asleep, it would hand that share
+        # to the other emulated devices and make their speed depend on its schedule
         if self.ctx.stage.slowdown > 1.0:
-            end_s = time.perf_counter() + elapsed_s * (self.ctx.stage.slowdown - 1.0)
-            while time.perf_counter() < end_s:
+            end_s = self._work_clock() + work_s * (self.ctx.stage.slowdown - 1.0)
+            while self._work_clock() < end_s:
                 pass
 
     def _forward(self, j: int, mb: tuple[Any, Any, int], saved: dict[int, dict[str, Any]]) -> float:
