@@ -7,8 +7,10 @@
    (`plan MODEL --cluster C --calibration FILE --stages S --use-all-devices --micro-batch M
    --global-batch B`), emitted, and run on 4 gloo processes (`plan run OUT --steps N`);
 3. predicted step time (the plan's `estimates.iteration_s`) is compared with the measured one (median
-   over steps after `WARMUP_STEPS` of the slowest rank's step time), and each rank's predicted memory
-   (`estimates.memory_bytes`) with its measured peak (`peak_memory_bytes`: peak RSS on CPU);
+   over steps after `WARMUP_STEPS` of the slowest rank's step time, over `PASSES` runs of the plan made
+   minutes apart: this host's speed drifts by tens of percent over minutes, with other virtual machines
+   on its hardware), and each rank's predicted memory (`estimates.memory_bytes`) with its measured peak
+   (`peak_memory_bytes`: peak RSS on CPU);
 4. ranking: per (model, cluster), the plan predicted fastest must be measured fastest or within
    `RANKING_TOLERANCE` of it.
 
@@ -16,8 +18,7 @@ Prints the table and writes benchmarks/results/fidelity.json. Load from other pr
 measured runs and the profile: each starts once the machine is quiet (`wait_until_quiet`), and a run
 that other processes loaded anyway is repeated (`ATTEMPTS`); each record keeps the cores they used
 meanwhile (`other`) and the 1-minute load average before it (`load`, which counts this benchmark's own
-previous run too). The first configuration is run once more at the end: the difference is the
-run-to-run noise floor.
+previous run too). How far apart the passes' medians of one plan are is the run-to-run noise floor.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import mean, median
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:   # runnable as `python benchmarks/fidelity.py` from anywhere
@@ -51,6 +53,7 @@ CONFIGS = {"gpt": (256, ((1, 32), (2, 16))), "mlp": (8192, ((1, 1024), (2, 512))
 WORLD = 4                       # processes of every configuration (both clusters have 4 devices)
 WARMUP_STEPS = 3                # step 0 traces the stages; the next ones warm allocator and caches
 DEFAULT_STEPS = 20              # the median is over the steps after warm-up
+PASSES = 2                      # runs of every plan, one pass over all plans after the other
 RANKING_TOLERANCE = 0.05        # the predicted-fastest plan may be this much slower than the fastest
 TARGET_TIME_ERROR = 0.15        # mean absolute relative error targets on CPU (the issue's)
 TARGET_MEMORY_ERROR = 0.20
@@ -78,9 +81,10 @@ class Result:
     measured_steps_s: list[float]
     predicted_memory_bytes: list[float]
     measured_memory_bytes: list[float]
-    load_average_1min: float
-    other_cores: float              # cores other processes kept busy during the run (average)
-    attempts: int
+    load_average_1min: float        # highest over the passes
+    other_cores: float              # cores other processes kept busy during a run (average; highest pass)
+    attempts: int                   # runs made (passes, and repeats of loaded runs)
+    pass_medians_s: list[float]     # median step time of each pass
 
     @property
     def name(self) -> str:
@@ -89,6 +93,11 @@ class Result:
     @property
     def time_error(self) -> float:
         return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def pass_spread(self) -> float:
+        """How far apart the passes' medians are, relative to their mean (0 with one pass)."""
+        return (max(self.pass_medians_s) - min(self.pass_medians_s)) / mean(self.pass_medians_s)
 
     @property
     def memory_errors(self) -> list[float]:
@@ -128,31 +137,67 @@ def profile(out: Path, quick: bool) -> None:
     print(_cli(*args, *(["--quick"] if quick else [])), end="")
 
 
-def measure(model: str, cluster: str, stages: int, micro: int, batch: int, calibration: Path, steps: int,
-            work: Path, quiet_wait_s: float) -> Result:
-    """Plan one configuration with the calibration, run it, and collect predicted and measured figures.
+@dataclass
+class Configuration:
+    """One planned configuration and its runs so far."""
 
-    The run starts once the machine is quiet (`wait_until_quiet`); a run during which other processes
-    kept more than `QUIET_CORES` busy is repeated (up to `ATTEMPTS` runs), and the quietest one is kept."""
+    model: str
+    cluster: str
+    stages: int
+    micro_batch: int
+    global_batch: int
+    out: Path
+    plan: dict[str, Any]
+    runs: list[Run]
+
+
+@dataclass
+class Run:
+    timed_s: list[float]        # step times after warm-up (per step, the slowest rank's)
+    peak_bytes: list[float]     # per rank
+    load_average_1min: float
+    other_cores: float
+    attempts: int
+
+
+def plan_configuration(model: str, cluster: str, stages: int, micro: int, batch: int, calibration: Path,
+                       work: Path) -> Configuration:
+    """Plan and emit one configuration with the calibration."""
     out = work / f"{model}-{cluster}-S{stages}-m{micro}"
     _cli(str(EXAMPLES / model / "model.py"), "--cluster", str(CLUSTERS[cluster]), "--calibration",
          str(calibration), "--stages", str(stages), "--use-all-devices", "--micro-batch", str(micro),
          "--global-batch", str(batch), "-o", str(out))
-    plan = json.loads((out / "plan.json").read_text())
+    return Configuration(model, cluster, stages, micro, batch, out, json.loads((out / "plan.json").read_text()), [])
+
+
+def run_configuration(config: Configuration, steps: int, quiet_wait_s: float) -> Run:
+    """Run the emitted program once the machine is quiet (`wait_until_quiet`); a run during which other
+    processes kept more than `QUIET_CORES` busy is repeated (up to `ATTEMPTS` runs), the quietest kept."""
     runs = []
     for _ in range(ATTEMPTS):
         wait_until_quiet(quiet_wait_s)
         load = os.getloadavg()[0]
         with OtherLoad() as other:
-            _cli("run", str(out), "--steps", str(steps), env={"HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"})
+            _cli("run", str(config.out), "--steps", str(steps),
+                 env={"HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"})
         other_cores = other.cores or 0.0
-        runs.append((other_cores, load, _read_metrics(out / "run" / "metrics.jsonl", plan["world_size"])))
+        runs.append((other_cores, load, _read_metrics(config.out / "run" / "metrics.jsonl", config.plan["world_size"])))
         if other_cores <= QUIET_CORES:
             break
     other_cores, load, (timed, peak) = min(runs, key=lambda r: r[0])
-    return Result(model, cluster, stages, micro, batch, [r["batch_share"] for r in plan["replicas"]],
-                  plan["estimates"]["iteration_s"], median(timed), timed,
-                  list(plan["estimates"]["memory_bytes"]), peak, load, other_cores, len(runs))
+    return Run(timed, peak, load, other_cores, len(runs))
+
+
+def result_of(config: Configuration) -> Result:
+    """Predicted against measured over all runs of the configuration (every timed step of every pass)."""
+    plan, runs = config.plan, config.runs
+    return Result(config.model, config.cluster, config.stages, config.micro_batch, config.global_batch,
+                  [r["batch_share"] for r in plan["replicas"]], plan["estimates"]["iteration_s"],
+                  median(t for r in runs for t in r.timed_s), [t for r in runs for t in r.timed_s],
+                  list(plan["estimates"]["memory_bytes"]),
+                  [max(r.peak_bytes[i] for r in runs) for i in range(plan["world_size"])],
+                  max(r.load_average_1min for r in runs), max(r.other_cores for r in runs),
+                  sum(r.attempts for r in runs), [median(r.timed_s) for r in runs])
 
 
 def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
@@ -212,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clusters", default=",".join(CLUSTERS), help="comma-separated: hetero, homog")
     p.add_argument("--quick", action="store_true", help="quick profile (noisier calibration)")
     p.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    p.add_argument("--passes", type=int, default=PASSES, help="runs of every plan (one pass after the other)")
     p.add_argument("--quiet-wait", type=float, default=QUIET_WAIT_S,
                    help="seconds to wait, before each run, for other processes to leave the cores free")
     args = p.parse_args(argv)
@@ -224,24 +270,24 @@ def main(argv: list[str] | None = None) -> int:
             profile(calibration, args.quick)
         profile_other_cores = other.cores or 0.0
         print(f"profiled while other processes used {profile_other_cores:.2f} cores", flush=True)
-    results = []
     with tempfile.TemporaryDirectory(prefix="hetplan-fidelity-") as tmp:
-        for model in args.only.split(","):
-            batch, shapes = CONFIGS[model]
-            for cluster in args.clusters.split(","):
-                for stages, micro in shapes:
-                    results.append(measure(model, cluster, stages, micro, batch, calibration, args.steps, Path(tmp),
-                                           args.quiet_wait))
-                    print(table(results[-1:]).splitlines()[-1], flush=True)
-        # repeatability: the first configuration once more, after all the others (same plan, new run)
-        first = results[0]
-        again = measure(first.model, first.cluster, first.stages, first.micro_batch, first.global_batch,
-                        calibration, args.steps, Path(tmp), args.quiet_wait)
-    drift = abs(again.measured_step_s - first.measured_step_s) / first.measured_step_s
-    print(f"repeat of {first.name}: {again.measured_step_s * 1e3:.1f} ms against {first.measured_step_s * 1e3:.1f} ms "
-          f"({drift:.0%} apart): the run-to-run noise floor on this machine")
+        configs = [plan_configuration(model, cluster, stages, micro, CONFIGS[model][0], calibration, Path(tmp))
+                   for model in args.only.split(",") for cluster in args.clusters.split(",")
+                   for stages, micro in CONFIGS[model][1]]
+        for n in range(args.passes):
+            print(f"pass {n + 1} of {args.passes}", flush=True)
+            for config in configs:
+                config.runs.append(run_configuration(config, args.steps, args.quiet_wait))
+                last = result_of(replace(config, runs=config.runs[-1:]))
+                print(table([last]).splitlines()[-1], flush=True)
+    results = [result_of(c) for c in configs]
+    spreads = [r.pass_spread for r in results]
+    if args.passes > 1:
+        print(f"passes of one plan: medians {median(spreads):.0%} apart (median), {max(spreads):.0%} at most: "
+              f"the run-to-run noise floor on this machine")
     checks = ranking(results)
-    summary = {**summarise(results, checks), "repeat_step_time_difference": drift}
+    summary = {**summarise(results, checks), "passes": args.passes,
+               "pass_spread_median": median(spreads), "pass_spread_max": max(spreads)}
     print("\n" + table(results))
     for c in checks:
         print(f"ranking {c['model']}/{c['cluster']}: predicted fastest {c['predicted_fastest']}, measured fastest "
@@ -253,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "calibration": str(calibration), "profile_other_cores": profile_other_cores, "steps": args.steps,
         "warmup_steps": WARMUP_STEPS, "summary": summary,
-        "ranking": checks, "repeat": {**asdict(again), "name": again.name},
+        "ranking": checks,
         "configurations": [{**asdict(r), "name": r.name, "step_time_error": r.time_error,
-                                                "memory_errors": r.memory_errors} for r in results]},
+                            "memory_errors": r.memory_errors, "pass_spread": r.pass_spread} for r in results]},
         indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
