@@ -18,7 +18,10 @@ Prints the table and writes benchmarks/results/fidelity.json. Load from other pr
 measured runs and the profile: each starts once the machine is quiet (`wait_until_quiet`), and a run
 that other processes loaded anyway is repeated (`ATTEMPTS`); each record keeps the cores they used
 meanwhile (`other`) and the 1-minute load average before it (`load`, which counts this benchmark's own
-previous run too). How far apart the passes' medians of one plan are is the run-to-run noise floor.
+previous run too). The host's own speed moves as well (other virtual machines on its hardware): a fixed
+reference work is timed around the profile and around every run (`host`: its time there / in the
+profile), and runs wait for, and are repeated until, the profile's speed. How far apart the passes'
+medians of one plan are is the run-to-run noise floor.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:   # runnable as `python benchmarks/fidelity.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from costmodel.calibrate import OtherLoad  # noqa: E402
+from costmodel.calibrate import OtherLoad, reference_work_s  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 CLUSTERS = {"hetero": EXAMPLES / "clusters" / "cpu-hetero-4.yaml",
@@ -65,6 +68,11 @@ QUIET_CORES = 0.25
 QUIET_SAMPLE_S = 5.0
 QUIET_WAIT_S = 1200.0
 ATTEMPTS = 3
+# The host's own speed changes too (other virtual machines on its hardware; `calibrate.reference_work_s`):
+# the profile is kept when the reference work took the same time before and after it, and a run starts
+# and is kept when the reference work takes the profile's time, within HOST_SPEED_TOLERANCE.
+HOST_SPEED_TOLERANCE = 0.10
+HOST_SPEED_WAIT_S = 180.0       # at most this long per run (then it runs, and its record shows the speed)
 BYTES_PER_MIB = 2**20
 
 
@@ -85,6 +93,7 @@ class Result:
     other_cores: float              # cores other processes kept busy during a run (average; highest pass)
     attempts: int                   # runs made (passes, and repeats of loaded runs)
     pass_medians_s: list[float]     # median step time of each pass
+    host_speed_ratios: list[float]  # per pass: reference work time around the run / in the profile
 
     @property
     def name(self) -> str:
@@ -116,6 +125,21 @@ def wait_until_quiet(max_wait_s: float) -> float:
         if cores <= QUIET_CORES or time.monotonic() >= deadline:
             return cores
         print(f"  other processes use {cores:.1f} cores: waiting", file=sys.stderr, flush=True)
+
+
+def wait_until_ready(max_wait_s: float, reference_s: float | None) -> float:
+    """`wait_until_quiet`, then also until the reference work takes the profile's time (within
+    `HOST_SPEED_TOLERANCE`; a calibration without the reference: 1.0); returns the last ratio (after
+    `max_wait_s`, whatever it is)."""
+    deadline, speed_deadline = time.monotonic() + max_wait_s, time.monotonic() + HOST_SPEED_WAIT_S
+    while True:
+        wait_until_quiet(max(deadline - time.monotonic(), 0.0))
+        ratio = reference_work_s() / reference_s if reference_s else 1.0
+        if abs(ratio - 1.0) <= HOST_SPEED_TOLERANCE or time.monotonic() >= min(deadline, speed_deadline):
+            return ratio
+        print(f"  the host runs the reference work at {ratio:.2f}x the profile's time: waiting", file=sys.stderr,
+              flush=True)
+        time.sleep(QUIET_SAMPLE_S)
 
 
 def _cli(*args: str, timeout_s: float = RUN_TIMEOUT_S, env: dict[str, str] | None = None) -> str:
@@ -158,6 +182,12 @@ class Run:
     load_average_1min: float
     other_cores: float
     attempts: int
+    host_speed_ratio: float     # reference work time before and after the run / in the profile (mean)
+
+    @property
+    def disturbance(self) -> float:
+        """How far the run's conditions were from the profile's, in units of their tolerances (<= 1: kept)."""
+        return max(self.other_cores / QUIET_CORES, abs(self.host_speed_ratio - 1.0) / HOST_SPEED_TOLERANCE)
 
 
 def plan_configuration(model: str, cluster: str, stages: int, micro: int, batch: int, calibration: Path,
@@ -170,22 +200,23 @@ def plan_configuration(model: str, cluster: str, stages: int, micro: int, batch:
     return Configuration(model, cluster, stages, micro, batch, out, json.loads((out / "plan.json").read_text()), [])
 
 
-def run_configuration(config: Configuration, steps: int, quiet_wait_s: float) -> Run:
-    """Run the emitted program once the machine is quiet (`wait_until_quiet`); a run during which other
-    processes kept more than `QUIET_CORES` busy is repeated (up to `ATTEMPTS` runs), the quietest kept."""
+def run_configuration(config: Configuration, steps: int, quiet_wait_s: float, reference_s: float | None) -> Run:
+    """Run the emitted program once the machine is quiet and at the profile's speed (`wait_until_ready`); a
+    run during which other processes kept more than `QUIET_CORES` busy, or after which the host's speed
+    had moved, is repeated (up to `ATTEMPTS` runs), and the least disturbed one is kept."""
     runs = []
     for _ in range(ATTEMPTS):
-        wait_until_quiet(quiet_wait_s)
+        before = wait_until_ready(quiet_wait_s, reference_s)
         load = os.getloadavg()[0]
         with OtherLoad() as other:
             _cli("run", str(config.out), "--steps", str(steps),
                  env={"HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"})
-        other_cores = other.cores or 0.0
-        runs.append((other_cores, load, _read_metrics(config.out / "run" / "metrics.jsonl", config.plan["world_size"])))
-        if other_cores <= QUIET_CORES:
+        after = reference_work_s() / reference_s if reference_s else 1.0
+        timed, peak = _read_metrics(config.out / "run" / "metrics.jsonl", config.plan["world_size"])
+        runs.append(Run(timed, peak, load, other.cores or 0.0, 1, (before + after) / 2))
+        if runs[-1].disturbance <= 1.0:
             break
-    other_cores, load, (timed, peak) = min(runs, key=lambda r: r[0])
-    return Run(timed, peak, load, other_cores, len(runs))
+    return replace(min(runs, key=lambda r: r.disturbance), attempts=len(runs))
 
 
 def result_of(config: Configuration) -> Result:
@@ -197,7 +228,8 @@ def result_of(config: Configuration) -> Result:
                   list(plan["estimates"]["memory_bytes"]),
                   [max(r.peak_bytes[i] for r in runs) for i in range(plan["world_size"])],
                   max(r.load_average_1min for r in runs), max(r.other_cores for r in runs),
-                  sum(r.attempts for r in runs), [median(r.timed_s) for r in runs])
+                  sum(r.attempts for r in runs), [median(r.timed_s) for r in runs],
+                  [r.host_speed_ratio for r in runs])
 
 
 def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
@@ -228,14 +260,15 @@ def ranking(results: list[Result]) -> list[dict[str, object]]:
 
 def table(results: list[Result]) -> str:
     head = (f"{'configuration':26s} {'shares':>10s} {'pred ms':>8s} {'meas ms':>8s} {'err':>6s}  "
-            f"{'mem pred/meas MiB per rank':30s} {'mem err':>7s} {'load':>5s} {'other':>5s}")
+            f"{'mem pred/meas MiB per rank':30s} {'mem err':>7s} {'load':>5s} {'other':>5s} {'host':>9s}")
     rows = [head, "-" * len(head)]
     for r in results:
         mem = " ".join(f"{p / BYTES_PER_MIB:.0f}/{m / BYTES_PER_MIB:.0f}"
                        for p, m in zip(r.predicted_memory_bytes, r.measured_memory_bytes, strict=True))
         rows.append(f"{r.name:26s} {':'.join(map(str, r.shares)):>10s} {r.predicted_step_s * 1e3:8.1f} "
                     f"{r.measured_step_s * 1e3:8.1f} {r.time_error:+6.0%}  {mem:30s} "
-                    f"{mean(abs(e) for e in r.memory_errors):7.1%} {r.load_average_1min:5.1f} {r.other_cores:5.2f}")
+                    f"{mean(abs(e) for e in r.memory_errors):7.1%} {r.load_average_1min:5.1f} {r.other_cores:5.2f} "
+                    f"{'/'.join(f'{h:.2f}' for h in r.host_speed_ratios):>9s}")
     return "\n".join(rows)
 
 
@@ -244,6 +277,8 @@ def summarise(results: list[Result], checks: list[dict[str, object]]) -> dict[st
     memory_mape = mean(abs(e) for r in results for e in r.memory_errors)
     return {"step_time_mean_abs_error": time_mape, "memory_mean_abs_error": memory_mape,
             "max_other_cores": max(r.other_cores for r in results),
+            "host_speed_ratio_range": [min(h for r in results for h in r.host_speed_ratios),
+                                       max(h for r in results for h in r.host_speed_ratios)],
             "step_time_target": TARGET_TIME_ERROR, "memory_target": TARGET_MEMORY_ERROR,
             "step_time_ok": time_mape <= TARGET_TIME_ERROR, "memory_ok": memory_mape <= TARGET_MEMORY_ERROR,
             "ranking_ok": all(c["ok"] for c in checks)}
@@ -263,13 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     start = time.perf_counter()
     calibration = args.calibration or RESULTS / "calibration.json"
-    profile_other_cores = None
     if args.calibration is None:
-        wait_until_quiet(args.quiet_wait)
-        with OtherLoad() as other:
+        for _ in range(ATTEMPTS):
+            wait_until_quiet(args.quiet_wait)
             profile(calibration, args.quick)
-        profile_other_cores = other.cores or 0.0
-        print(f"profiled while other processes used {profile_other_cores:.2f} cores", flush=True)
+            before_s, after_s = json.loads(calibration.read_text())["host_load"]["reference_work_s"]
+            if abs(after_s / before_s - 1.0) <= HOST_SPEED_TOLERANCE:
+                break
+            print(f"  the host's speed moved during the profile ({after_s / before_s:.2f}x): profiling again",
+                  file=sys.stderr, flush=True)
+    host_load = json.loads(calibration.read_text()).get("host_load", {})
+    reference_s = mean(host_load["reference_work_s"]) if host_load.get("reference_work_s") else None
+    print(f"profile: other processes used {host_load.get('other_cores_during') or 0.0:.2f} cores; reference "
+          f"work {reference_s * 1e3 if reference_s else float('nan'):.2f} ms", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetplan-fidelity-") as tmp:
         configs = [plan_configuration(model, cluster, stages, micro, CONFIGS[model][0], calibration, Path(tmp))
                    for model in args.only.split(",") for cluster in args.clusters.split(",")
@@ -277,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.passes):
             print(f"pass {n + 1} of {args.passes}", flush=True)
             for config in configs:
-                config.runs.append(run_configuration(config, args.steps, args.quiet_wait))
+                config.runs.append(run_configuration(config, args.steps, args.quiet_wait, reference_s))
                 last = result_of(replace(config, runs=config.runs[-1:]))
                 print(table([last]).splitlines()[-1], flush=True)
     results = [result_of(c) for c in configs]
@@ -297,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
           f"ranking {'ok' if summary['ranking_ok'] else 'MISS'}; {time.perf_counter() - start:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "calibration": str(calibration), "profile_other_cores": profile_other_cores, "steps": args.steps,
+        "calibration": str(calibration), "profile_host_load": host_load, "steps": args.steps,
         "warmup_steps": WARMUP_STEPS, "summary": summary,
         "ranking": checks,
         "configurations": [{**asdict(r), "name": r.name, "step_time_error": r.time_error,

@@ -87,6 +87,37 @@ class OtherLoad:
             self.cores = max(busy - own, 0.0) / max(wall, 1e-9)
 
 
+# A fixed piece of single-threaded CPU work (matmuls of 128 x 128 and a sweep over 4 MB), timed in CPU
+# seconds: how fast a core of this host is right now. On a virtual host it is not constant - measured
+# here, 3.6-3.9 ms in some minutes and 5.0-5.4 ms in others - so figures measured in one phase and runs
+# in the other differ by that much whatever the cost model says; the profile records it to tell them apart.
+REFERENCE_MATMULS = 100
+REFERENCE_SWEEPS = 5
+REFERENCE_REPEATS = 15
+
+
+def reference_work_s() -> float:
+    """Median CPU seconds of the reference work (see above) in this process, one torch thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, buf = torch.randn(128, 128), torch.randn(1 << 20)
+        times = []
+        for i in range(REFERENCE_REPEATS + 1):      # the first one warms up
+            start = time.process_time()
+            for _ in range(REFERENCE_MATMULS):
+                a @ a
+            for _ in range(REFERENCE_SWEEPS):
+                buf.mul_(1.0)
+            if i:
+                times.append(time.process_time() - start)
+        return median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     """A TCP port free on localhost right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -100,6 +131,7 @@ def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", d
     world = max(concurrency, 2)
     limit_s = timeout_s or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    reference_before_s = reference_work_s()
     with tempfile.TemporaryDirectory(prefix="hetplan-profile-") as tmp, OtherLoad() as other:
         port = free_port()
         procs: list[tuple[subprocess.Popen[bytes], Any]] = []
@@ -112,7 +144,8 @@ def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", d
         results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     doc = _document(results, concurrency, device, device_name)
     # other processes' load slows what was measured: kept with the figures, so a noisy file shows it
-    doc["host_load"] = {"load_average_1min_before": load_before, "other_cores_during": other.cores}
+    doc["host_load"] = {"load_average_1min_before": load_before, "other_cores_during": other.cores,
+                        "reference_work_s": [reference_before_s, reference_work_s()]}
     parse_calibration(doc, "<measured>")   # what we write must read back
     return doc
 
