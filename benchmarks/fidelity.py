@@ -299,13 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     calibration = args.calibration or RESULTS / "calibration.json"
     if args.calibration is None:
-        for _ in range(ATTEMPTS):
+        for attempt in range(1, ATTEMPTS + 1):
             wait_until_quiet(args.quiet_wait)
             profile(calibration, args.quick)
             before_s, after_s = json.loads(calibration.read_text())["host_load"]["reference_work_s"]
             if abs(after_s / before_s - 1.0) <= HOST_SPEED_TOLERANCE:
                 break
-            print(f"  the host's speed moved during the profile ({after_s / before_s:.2f}x): profiling again",
+            print(f"  the host's speed moved during the profile ({after_s / before_s:.2f}x): "
+                  f"{'profiling again' if attempt < ATTEMPTS else 'kept, runs wait for the mean of both'}",
                   file=sys.stderr, flush=True)
     host_load = json.loads(calibration.read_text()).get("host_load", {})
     reference_s = mean(host_load["reference_work_s"]) if host_load.get("reference_work_s") else None
