@@ -23,6 +23,16 @@ def test_every_cluster_plans_the_gpt_example(cluster):
     assert p.estimates.iteration_s > 0
     assert all(m <= c for m, c in zip(p.estimates.memory_bytes, p.estimates.capacity_bytes))
     assert Plan.from_json(p.to_json()) == p
+    # the search's own objective is the simulated schedule's time (issue: within 5%)
+    assert p.estimates.iteration_s == pytest.approx(p.solver.simulated_iteration_s, rel=0.01)
+
+
+def test_deep_pipelines_across_nodes_and_types_estimate_their_simulation():
+    """12 stages over A100 and V100 nodes: cuts inside a node, between nodes and between types."""
+    cluster = next(c for c in cluster_files() if c.stem == "seed-mixed-32")
+    p = plan(GPT, cluster, PlanOptions(global_batch=64, stages=12)).plan
+    assert all(len(r.stages) == 12 for r in p.replicas)
+    assert p.estimates.iteration_s == pytest.approx(p.solver.simulated_iteration_s, rel=0.02)
 
 
 def test_seed_mixed_32_gives_a100_pipelines_more_work_than_p100(tmp_path):

@@ -20,7 +20,7 @@ def _brute_force_split(t, S, m, bw, lat, grads):
     N = len(t.fwd_s)
     best = None
     for cuts in itertools.combinations(range(1, N), S - 1):
-        split = stage_costs(t, (0, *cuts, N), m, bw, lat, grads)
+        split = stage_costs(t, (0, *cuts, N), m, ((bw, lat),) * (S - 1), grads)
         if any(mem > t.capacity_bytes for mem in split.stage_memory_bytes):
             continue
         if best is None or split.max_stage_s < best.max_stage_s - 1e-12:
@@ -35,7 +35,7 @@ def test_split_is_optimal_against_enumeration(seed):
     t = syn.random_table(rng, "x", N, 4)
     grads = tuple([1e6] * N)
     for S in range(1, min(N, 4) + 1):
-        got = solve_split(t, S, 2, 1e10, 5e-6, grads)
+        got = solve_split(t, S, 2, ((1e10, 5e-6),) * (S - 1), grads)
         want = _brute_force_split(t, S, 2, 1e10, 5e-6, grads)
         if want is None:
             assert got is None
@@ -48,8 +48,8 @@ def test_split_is_optimal_against_enumeration(seed):
 def test_split_respects_memory():
     t = syn.table("x", 1.0, blocks=6, devices=4, per_node=4, capacity_gib=10.0,
                   state_gib=[6, 1, 1, 1, 1, 6])
-    assert solve_split(t, 1, 1, 1e10, 0, (0.0,) * 6) is None
-    split = solve_split(t, 2, 1, 1e10, 0, (0.0,) * 6)
+    assert solve_split(t, 1, 1, (), (0.0,) * 6) is None
+    split = solve_split(t, 2, 1, ((1e10, 0.0),), (0.0,) * 6)
     assert split is not None and split.bounds == (0, 3, 6)
     assert max(split.stage_memory_bytes) <= t.capacity_bytes
 
@@ -104,14 +104,14 @@ def test_shared_split_is_optimal_against_enumeration(seed):
     N = rng.randint(3, 8)
     tabs = [syn.random_table(rng, f"c{i}", N, 4) for i in range(rng.choice([2, 3]))]
     S = rng.randint(1, min(N, 4))
-    own = [solve_split(t, S, 2, 1e10, 5e-6, (1e6,) * N) for t in tabs]
+    own = [solve_split(t, S, 2, ((1e10, 5e-6),) * (S - 1), (1e6,) * N) for t in tabs]
     if any(o is None for o in own):
         return
-    lanes = [Lane(t, 1e10, 5e-6, False, o.max_stage_s) for t, o in zip(tabs, own)]
+    lanes = [Lane(t, ((1e10, 5e-6),) * (S - 1), False, o.max_stage_s) for t, o in zip(tabs, own)]
     got = solve_shared_bounds(lanes, S, 2)
 
     def worst(bounds):
-        splits = [stage_costs(t, bounds, 2, 1e10, 5e-6, (1e6,) * N) for t in tabs]
+        splits = [stage_costs(t, bounds, 2, ((1e10, 5e-6),) * (S - 1), (1e6,) * N) for t in tabs]
         if any(m > t.capacity_bytes for t, s in zip(tabs, splits) for m in s.stage_memory_bytes):
             return None
         return max(s.max_stage_s / o.max_stage_s for s, o in zip(splits, own))
@@ -127,7 +127,7 @@ def test_shared_split_is_optimal_against_enumeration(seed):
 def test_replicas_on_different_classes_keep_nested_cuts():
     early, late = _opposite_profiles()
     tabs = syn.tables([early, late], 16, grad_gib=[0.5] * 6)
-    own = {ci: solve_split(t, 2, 1, t.intra_bandwidth_bytes_s, t.intra_latency_s, tabs.grad_bytes).bounds
+    own = {ci: solve_split(t, 2, 1, ((t.intra_bandwidth_bytes_s, t.intra_latency_s),), tabs.grad_bytes).bounds
            for ci, t in enumerate(tabs.classes)}
     assert own[0] != own[1]                    # each class alone would cut elsewhere
     sol = ilp.solve(tabs, ilp.build_configs(tabs, fixed_stages=2), use_all_devices=True)

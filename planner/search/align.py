@@ -10,7 +10,8 @@ own bytes, as the sync term charges.
 
 So the splits are few and shared: per stage count one split for every class (the contiguous
 split minimising the worst class's slowest stage relative to that class's own best,
-split.solve_shared_bounds, balanced at the micro-batch size that loses least throughput), used at
+split.solve_shared_bounds, balanced at the micro-batch size that loses least throughput under
+the 1F1B schedule, or the equal split where that loses less), used at
 every micro-batch size where it fits in memory; a class it does not fit gets its own split (at the
 middle size, else at the size itself, with recompute when nothing else fits). Few distinct splits
 keep the CP-SAT model as small as one without alignment.
@@ -21,12 +22,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from costmodel.tables import CostTables
-from planner.search.split import Lane, Split, solve_shared_bounds, solve_split, stage_costs
+from planner.search.pipeline import pipeline_at_s
+from planner.search.split import Lane, Split, equal_bounds, solve_shared_bounds, solve_split, stage_costs
 
 if TYPE_CHECKING:
     pass
 
 Bounds = tuple[int, ...]
+# a candidate split's throughput is taken at up to this many micro-batches (planner.search.pipeline's
+# cost is linear in it; beyond it the pipeline is in steady state and the slowest stage decides)
+RATE_MAX_MICRO = 64
 
 
 def nested(a: Bounds, b: Bounds) -> bool:
@@ -43,22 +48,22 @@ def conflicts(bounds: list[Bounds]) -> list[tuple[int, int]]:
 
 def split_for(tables: CostTables, cls: int, bounds: Bounds, micro_batch: int, recompute: bool) -> Split | None:
     """`bounds` costed on class `cls` at `micro_batch`; None when a stage does not fit its memory."""
-    from planner.search.ilp import stage_link
+    from planner.search.ilp import cut_links
 
     table = tables.classes[cls]
-    split = stage_costs(table, bounds, micro_batch, *stage_link(tables, cls, len(bounds) - 1), tables.grad_bytes,
+    split = stage_costs(table, bounds, micro_batch, cut_links(tables, (cls,) * (len(bounds) - 1)), tables.grad_bytes,
                         recompute)
     return split if max(split.stage_memory_bytes) <= table.capacity_bytes else None
 
 
 def own_split(tables: CostTables, cls: int, num_stages: int, micro_batch: int) -> Split | None:
     """The class's best split at this micro-batch size; with recompute only when nothing else fits."""
-    from planner.search.ilp import stage_link
+    from planner.search.ilp import cut_links
 
-    link = stage_link(tables, cls, num_stages)
+    links = cut_links(tables, (cls,) * num_stages)
     table = tables.classes[cls]
-    return (solve_split(table, num_stages, micro_batch, *link, tables.grad_bytes)
-            or solve_split(table, num_stages, micro_batch, *link, tables.grad_bytes, recompute=True))
+    return (solve_split(table, num_stages, micro_batch, links, tables.grad_bytes)
+            or solve_split(table, num_stages, micro_batch, links, tables.grad_bytes, recompute=True))
 
 
 OwnSplits = dict[tuple[int, int], "Split | None"]     # (class, micro-batch size) -> own_split
@@ -70,38 +75,52 @@ def own_splits(tables: CostTables, classes: list[int], num_stages: int, micro_op
 
 def shared_bounds(tables: CostTables, classes: list[int], num_stages: int, micro_options: list[int],
                   own: OwnSplits) -> Bounds | None:
-    """One split for `classes`: the shared split at one of the micro-batch sizes, the one whose worst
-    class loses least steady-state throughput (samples per second of its slowest stage at its best
-    size) against that class's own splits. Classes that make it infeasible are left out, smallest
-    memory first (they get their own splits)."""
+    """One split for `classes`: among the shared splits balanced at each micro-batch size and the
+    split into equal block counts, the one whose worst class loses least throughput against the
+    best candidate for that class (`_rate`: the 1F1B schedule's time, so a split that puts its
+    slowest stages first beats an equally balanced one that puts them last). Classes that make
+    the balanced split infeasible are left out, smallest memory first (they get their own splits)."""
     candidates = {b for m in micro_options if (b := _shared_at(tables, classes, num_stages, m, own)) is not None}
     if not candidates:
         return None
-    best_rate = {ci: max((m / split.max_stage_s for m in micro_options
-                          if (split := own[(ci, m)]) is not None), default=0.0) for ci in classes}
+    candidates.add(equal_bounds(tables.num_blocks, num_stages))
+    rates = {(ci, b): _rate(tables, ci, b, micro_options) for ci in classes for b in candidates}
+    best_rate = {ci: max(rates[(ci, b)] for b in candidates) for ci in classes}
 
     def loss(bounds: Bounds) -> float:
         worst = 0.0
         for ci in classes:
-            if best_rate[ci] <= 0.0:
-                continue
-            rate = max((m / split.max_stage_s for m in micro_options for recompute in (False, True)
-                        if (split := split_for(tables, ci, bounds, m, recompute)) is not None), default=0.0)
-            worst = max(worst, best_rate[ci] / rate if rate > 0 else float("inf"))
+            if best_rate[ci] > 0.0:
+                rate = rates[(ci, bounds)]
+                worst = max(worst, best_rate[ci] / rate if rate > 0 else float("inf"))
         return worst
 
     return min(sorted(candidates), key=loss)
 
 
+def _rate(tables: CostTables, cls: int, bounds: Bounds, micro_options: list[int]) -> float:
+    """Samples per second of one replica of `cls` cut at `bounds`, at the micro-batch size where its
+    slowest stage serves most samples per second, running the whole batch (at least S and at most
+    RATE_MAX_MICRO micro-batches) under 1F1B (planner.search.pipeline): the fill and drain count,
+    and where the slow stages sit."""
+    fitting = [(split, m) for m in micro_options for recompute in (False, True)
+               if (split := split_for(tables, cls, bounds, m, recompute)) is not None]
+    if not fitting:
+        return 0.0
+    split, m = max(fitting, key=lambda pair: pair[1] / pair[0].max_stage_s)
+    micro_batches = min(RATE_MAX_MICRO, max(len(bounds) - 1, -(-tables.global_batch // m)))
+    return micro_batches * m / pipeline_at_s(split.fwd_s, split.bwd_s, split.send_s, micro_batches)
+
+
 def _shared_at(tables: CostTables, classes: list[int], num_stages: int, micro_batch: int,
                own: OwnSplits) -> Bounds | None:
-    from planner.search.ilp import stage_link
+    from planner.search.ilp import cut_links
 
     lanes = []
     for ci in classes:
         split = own[(ci, micro_batch)]
         if split is not None:
-            lanes.append(Lane(tables.classes[ci], *stage_link(tables, ci, num_stages), split.recompute,
+            lanes.append(Lane(tables.classes[ci], cut_links(tables, (ci,) * num_stages), split.recompute,
                               max(split.max_stage_s, 1e-12)))
     lanes.sort(key=lambda ln: -ln.table.capacity_bytes)
     while lanes:

@@ -31,7 +31,7 @@ from planner.errors import PlanningError
 from planner.ir import Plan, PlanInputs
 from planner.search import ilp
 from planner.search.assemble import assemble
-from planner.search.split import solve_split, stage_costs
+from planner.search.split import equal_bounds, solve_split, stage_costs
 from planner.search.sync import split_sync_s
 from planner.spec import ClusterSpec, Link
 
@@ -42,15 +42,6 @@ HEURISTIC_STATUS = "HEURISTIC"      # no optimality proof: the plan reports boun
 Replica = tuple[ilp.Config, int]    # (configuration, batch share)
 
 
-def equal_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
-    """Contiguous stages of equal block counts (the first `num_blocks % num_stages` get one more)."""
-    size, extra = divmod(num_blocks, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
-    return tuple(bounds)
-
-
 def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
                 balanced: bool) -> ilp.Config | None:
     """Configuration of class `cls`: exact time-balanced split or equal blocks; recompute only when
@@ -59,14 +50,13 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
     if num_stages > tables.num_blocks:
         return None
     intra = num_stages <= table.per_node
-    bw = table.intra_bandwidth_bytes_s if intra else tables.inter_bandwidth_bytes_s
-    lat = table.intra_latency_s if intra else tables.inter_latency_s
+    links = ilp.cut_links(tables, (cls,) * num_stages)
     split = None
     for recompute in (False, True):
         if balanced:
-            split = solve_split(table, num_stages, micro_batch, bw, lat, tables.grad_bytes, recompute)
+            split = solve_split(table, num_stages, micro_batch, links, tables.grad_bytes, recompute)
         else:
-            candidate = stage_costs(table, equal_bounds(tables.num_blocks, num_stages), micro_batch, bw, lat,
+            candidate = stage_costs(table, equal_bounds(tables.num_blocks, num_stages), micro_batch, links,
                                     tables.grad_bytes, recompute)
             fits = all(mem <= table.capacity_bytes for mem in candidate.stage_memory_bytes)
             split = candidate if fits else None

@@ -6,7 +6,7 @@ The space is the one of planner.search.ilp: for each device class a multiset of 
 exact split of (class, S, m) (split.solve_split, via ilp.build_configs). The objective is
 ilp._solve_regime's, in the same integer nanoseconds:
 
-    T_pipe = max over used items of (M + S - 1) * ns(slowest stage) + ns(optimizer)
+    T_pipe = max over used items of ns(the 1F1B makespan with M micro-batches + optimizer)
     T_sync = max over used (class, S) shapes of ns(sync(split(shape), grid_ceil(R), link))
     minimise T_pipe + T_sync, best of the two topology regimes
 

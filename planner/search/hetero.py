@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from costmodel.tables import CostTables
-from planner.search.split import Lane, Split, block_time_s, kept_activation_bytes, solve_mixed_bounds
+from planner.search.split import Lane, Split, block_phases_s, kept_activation_bytes, solve_mixed_bounds
 
 if TYPE_CHECKING:
     from planner.search.ilp import Config
@@ -34,20 +34,20 @@ def portions(num_stages: int, first: int, second: int, tables: CostTables) -> li
 def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tuple[int, ...], micro_batch: int,
                 recompute: bool) -> Split | None:
     """`bounds` with stage s on class stage_classes[s]; None when a stage does not fit its memory."""
-    from planner.search.ilp import stage_link
+    from planner.search.ilp import cut_links
 
     S = len(bounds) - 1
-    times, mems, grads = [], [], []
+    links = cut_links(tables, stage_classes)
+    times, mems, grads, fwds, bwds, sends = [], [], [], [], [], []
     for s, ci in enumerate(stage_classes):
         table = tables.classes[ci]
         blocks = range(bounds[s], bounds[s + 1])
-        t = sum(block_time_s(table, b, micro_batch, recompute) for b in blocks)
+        fwd, bwd = block_phases_s(table, blocks, micro_batch, recompute)
+        t = fwd + bwd
         if s < S - 1:
-            if stage_classes[s + 1] == ci:
-                bw, lat = stage_link(tables, ci, stage_classes.count(ci))
-            else:
-                bw, lat = tables.inter_bandwidth_bytes_s, tables.inter_latency_s
-            t += 2 * (lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
+            bw, lat = links[s]
+            sends.append(lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
+            t += 2 * sends[-1]
         mem = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
             table, blocks, micro_batch, S - s, recompute)
         if mem > table.capacity_bytes:
@@ -55,7 +55,10 @@ def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tupl
         times.append(t)
         mems.append(mem)
         grads.append(sum(tables.grad_bytes[b] for b in blocks))
-    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute)
+        fwds.append(fwd)
+        bwds.append(bwd)
+    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute,
+                 fwd_s=tuple(fwds), bwd_s=tuple(bwds), send_s=tuple(sends))
 
 
 def stage_count_options(tables: CostTables, first: int, second: int) -> list[int]:
@@ -75,9 +78,10 @@ def stage_count_options(tables: CostTables, first: int, second: int) -> list[int
 def own_bounds(tables: CostTables, classes: tuple[int, ...], micro_batch: int, recompute: bool,
                ) -> tuple[int, ...] | None:
     """The mixed pipeline's own best split (for depths without a shared one that fits it)."""
-    from planner.search.ilp import stage_link
+    from planner.search.ilp import cut_links
 
-    lanes = [Lane(tables.classes[ci], *stage_link(tables, ci, classes.count(ci)), recompute, 1.0)
+    links = cut_links(tables, classes)
+    lanes = [Lane(tables.classes[ci], links, recompute, 1.0)
              for ci in dict.fromkeys(classes)]
     index = {ci: i for i, ci in enumerate(dict.fromkeys(classes))}
     return solve_mixed_bounds(lanes, [index[ci] for ci in classes], micro_batch)

@@ -7,7 +7,7 @@ split (planner.search.split). The model chooses n_k replicas of k with b_k sampl
     sum_k n_k * b_k >= B                       (every sample of the global batch is served)
     sum_{k in c} n_k * S_k <= devices(c)       (device counts)
     M_k * m_k >= b_k                           (micro-batches per replica)
-    T_pipe >= sum_s t_ks + (M_k - 1) * t_k + opt_k  (1F1B/GPipe; t_k the slowest stage)
+    T_pipe >= pipe_k(M_k) + opt_k              (the 1F1B schedule's makespan, planner.search.pipeline)
     T_sync >= allreduce_k(R), R = sum_k n_k    (gradient synchronisation across replicas)
     minimise T_pipe + T_sync
 
@@ -27,7 +27,8 @@ from ortools.sat.python import cp_model
 
 from costmodel.tables import CostTables
 from planner.search import align, hetero
-from planner.search.split import NS_PER_S, Split
+from planner.search.pipeline import pipeline_s
+from planner.search.split import NS_PER_S, Links, Split
 from planner.search.sync import drain_overlap_s, split_sync_s
 from planner.spec import Link
 
@@ -58,10 +59,10 @@ class Config:
         return self.classes
 
     def replica_time_s(self, micro_batches: int) -> float:
-        """One replica's iteration with M micro-batches: every stage once (fill and drain), then
-        M - 1 more passes of the slowest stage (1F1B / GPipe steady state), then the optimizer."""
-        return (sum(self.split.stage_s) + (micro_batches - 1) * self.split.max_stage_s
-                + self.optimizer_s)
+        """One replica's iteration with M micro-batches: the 1F1B schedule's makespan
+        (planner.search.pipeline), then the optimizer."""
+        sp = self.split
+        return pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches) + self.optimizer_s
 
     def replica_time_ns(self, micro_batches: int) -> int:
         return _ns(self.replica_time_s(micro_batches))
@@ -140,12 +141,23 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes))
 
 
-def stage_link(tables: CostTables, cls: int, num_stages: int) -> tuple[float, float]:
-    """Bandwidth and latency between a pipeline's stages: the node's link when it fits in one node."""
-    table = tables.classes[cls]
-    if num_stages <= table.per_node:
-        return table.intra_bandwidth_bytes_s, table.intra_latency_s
-    return tables.inter_bandwidth_bytes_s, tables.inter_latency_s
+def cut_links(tables: CostTables, classes: tuple[int, ...]) -> Links:
+    """The link each cut between consecutive stages crosses, as planner.search.assemble places a
+    pipeline: a class's run of stages inside one node when it fits there, else over whole nodes in
+    stage order (a cut crosses the network where one node ends); a cut between classes crosses
+    the network."""
+    inter = (tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
+    out, start = [], 0
+    for s in range(len(classes) - 1):
+        if classes[s + 1] != classes[s]:
+            out.append(inter)
+            start = s + 1
+            continue
+        table = tables.classes[classes[s]]
+        run = classes.count(classes[s])
+        across = run > table.per_node and (s + 1 - start) % table.per_node == 0
+        out.append(inter if across else (table.intra_bandwidth_bytes_s, table.intra_latency_s))
+    return tuple(out)
 
 
 def make_config(tables: CostTables, cls: int, split: Split, micro_batch: int) -> Config:
@@ -267,7 +279,8 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     split_used = []
     for si, bounds in enumerate(splits):
         flag = model.new_bool_var(f"split{si}")
-        model.add_max_equality(flag, [used[i] for i, it in enumerate(items) if configs[it.config].split.bounds == bounds])
+        model.add_max_equality(flag, [used[i] for i, it in enumerate(items)
+                                      if configs[it.config].split.bounds == bounds])
         split_used.append(flag)
     for S in sorted({len(b) for b in splits}):
         model.add_at_most_one(split_used[si] for si, b in enumerate(splits) if len(b) == S)

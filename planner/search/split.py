@@ -11,6 +11,7 @@ a stage keeps only its inputs per in-flight micro-batch and runs each forward tw
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,11 @@ class Split:
     stage_grad_bytes: tuple[float, ...]
     optimal: bool
     recompute: bool = False
+    # the same time in the parts the schedule runs apart (planner.search.pipeline), per micro-batch:
+    # each stage's forward and backward, and one transfer over each cut (either way)
+    fwd_s: tuple[float, ...] = ()
+    bwd_s: tuple[float, ...] = ()
+    send_s: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -46,6 +52,18 @@ def block_time_s(table: ClassTable, b: int, micro_batch: int, recompute: bool) -
     return (fwd + table.bwd_s[b]) * micro_batch + table.overhead_s[b] * (1.5 if recompute else 1.0)
 
 
+def block_phases_s(table: ClassTable, blocks: range, micro_batch: int, recompute: bool) -> tuple[float, float]:
+    """One micro-batch's forward and backward through `blocks`, as the program runs them: launches
+    split evenly between the two, and recompute's second forward inside the backward (the sum is
+    block_time_s's; backends.sim.inputs splits a stage record the same way)."""
+    fwd = sum(table.fwd_s[b] for b in blocks) * micro_batch
+    bwd = sum(table.bwd_s[b] for b in blocks) * micro_batch
+    overhead = sum(table.overhead_s[b] for b in blocks)
+    if recompute:
+        return fwd + 0.5 * overhead, bwd + fwd + overhead
+    return fwd + 0.5 * overhead, bwd + 0.5 * overhead
+
+
 def kept_activation_bytes(table: ClassTable, blocks: range, micro_batch: int, in_flight: int,
                           recompute: bool) -> float:
     """Activations a stage holds at peak: all in-flight micro-batches' (no recompute), or their
@@ -56,23 +74,42 @@ def kept_activation_bytes(table: ClassTable, blocks: range, micro_batch: int, in
     return (stage_input * in_flight + sum(table.act_bytes[b] for b in blocks)) * micro_batch
 
 
-def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, link_bw: float,
-                link_lat: float, grad_bytes: tuple[float, ...], recompute: bool = False) -> Split:
+# per cut between stages s and s+1: (bandwidth bytes/s, latency s) of the link it crosses
+Links = tuple[tuple[float, float], ...]
+
+
+def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, links: Links,
+                grad_bytes: tuple[float, ...], recompute: bool = False) -> Split:
     """Evaluate a given split (used by the solver's result and by baseline strategies)."""
     S = len(bounds) - 1
-    times, mems, grads = [], [], []
+    times, mems, grads, fwds, bwds, sends = [], [], [], [], [], []
     for s in range(S):
         blocks = range(bounds[s], bounds[s + 1])
-        t = sum(block_time_s(table, b, micro_batch, recompute) for b in blocks)
+        fwd, bwd = block_phases_s(table, blocks, micro_batch, recompute)
+        t = fwd + bwd
         last = bounds[s + 1] - 1
         if s < S - 1:
-            t += 2 * (link_lat + table.boundary_bytes[last] * micro_batch / link_bw)
+            bw, lat = links[s]
+            sends.append(lat + table.boundary_bytes[last] * micro_batch / bw)
+            t += 2 * sends[-1]
         mem = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
             table, blocks, micro_batch, S - s, recompute)
         times.append(t)
         mems.append(mem)
         grads.append(sum(grad_bytes[b] for b in blocks))
-    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute)
+        fwds.append(fwd)
+        bwds.append(bwd)
+    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute,
+                 fwd_s=tuple(fwds), bwd_s=tuple(bwds), send_s=tuple(sends))
+
+
+def equal_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
+    """Contiguous stages of equal block counts (the first `num_blocks % num_stages` get one more)."""
+    size, extra = divmod(num_blocks, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + size + (1 if s < extra else 0))
+    return tuple(bounds)
 
 
 def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recompute: bool) -> bool:
@@ -100,17 +137,16 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
     return b == N
 
 
-def solve_split(table: ClassTable, num_stages: int, micro_batch: int, link_bw: float, link_lat: float,
+def solve_split(table: ClassTable, num_stages: int, micro_batch: int, links: Links,
                 grad_bytes: tuple[float, ...], recompute: bool = False) -> Split | None:
     """Best contiguous split into `num_stages` stages, or None when no split fits in memory."""
     if num_stages > len(table.fwd_s) or not fits_greedily(table, num_stages, micro_batch, recompute):
         return None
-    bounds = _bottleneck_bounds([_Lane(table, micro_batch, link_bw, link_lat, recompute, 1.0)], num_stages)
+    bounds = _bottleneck_bounds([_Lane(table, micro_batch, links, recompute, 1.0)], num_stages)
     if bounds is None:
         return None
-    result = stage_costs(table, bounds, micro_batch, link_bw, link_lat, grad_bytes, recompute)
-    return Split(result.bounds, result.stage_s, result.stage_memory_bytes, result.stage_grad_bytes,
-                 optimal=True, recompute=recompute)
+    return dataclasses.replace(stage_costs(table, bounds, micro_batch, links, grad_bytes, recompute),
+                               optimal=True)
 
 
 @dataclass(frozen=True)
@@ -118,8 +154,7 @@ class Lane:
     """One device class's view of a split shared by several classes (planner.search.align)."""
 
     table: ClassTable
-    link_bw: float
-    link_lat: float
+    links: Links                    # the pipeline's cuts (planner.search.ilp.cut_links)
     recompute: bool
     target_s: float                 # the class's own best slowest-stage time (normalises its costs)
 
@@ -127,7 +162,7 @@ class Lane:
 def solve_shared_bounds(lanes: list[Lane], num_stages: int, micro_batch: int) -> tuple[int, ...] | None:
     """One split for several classes: minimise the worst class's slowest stage relative to its own
     best (`target_s`), every stage fitting every class's memory. None when no such split fits."""
-    return _bottleneck_bounds([_Lane(ln.table, micro_batch, ln.link_bw, ln.link_lat, ln.recompute,
+    return _bottleneck_bounds([_Lane(ln.table, micro_batch, ln.links, ln.recompute,
                                      1.0 / ln.target_s) for ln in lanes], num_stages)
 
 
@@ -135,8 +170,7 @@ def solve_shared_bounds(lanes: list[Lane], num_stages: int, micro_batch: int) ->
 class _Lane:
     table: ClassTable
     micro_batch: int
-    link_bw: float
-    link_lat: float
+    links: Links
     recompute: bool
     scale: float
 
@@ -144,7 +178,7 @@ class _Lane:
 def solve_mixed_bounds(lanes: list[Lane], stage_lanes: list[int], micro_batch: int) -> tuple[int, ...] | None:
     """Best split of a pipeline whose stage s runs on lanes[stage_lanes[s]] (raw times, no
     normalisation): minimise the slowest stage, every stage fitting its own device."""
-    return _bottleneck_bounds([_Lane(ln.table, micro_batch, ln.link_bw, ln.link_lat, ln.recompute, 1.0)
+    return _bottleneck_bounds([_Lane(ln.table, micro_batch, ln.links, ln.recompute, 1.0)
                                for ln in lanes], len(stage_lanes), stage_lanes)
 
 
@@ -160,8 +194,9 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
     for ln in lanes:
         t, m = ln.table, ln.micro_batch
         block_t = np.array([block_time_s(t, b, m, ln.recompute) for b in range(N)]) * ln.scale
-        cut_t.append(np.array([2 * (ln.link_lat + t.boundary_bytes[b] * m / ln.link_bw) for b in range(N)])
-                     * ln.scale)
+        # cut_t[s][b]: both transfers of the cut after stage s when block b ends that stage
+        boundary = np.asarray(t.boundary_bytes, dtype=float) * m
+        cut_t.append([2 * (lat + boundary / bw) * ln.scale for bw, lat in ln.links])
         pre_t.append(np.concatenate([[0.0], np.cumsum(block_t)]))
         pre_state.append(np.concatenate([[0.0], np.cumsum(t.state_bytes)]))
         pre_act.append(np.concatenate([[0.0], np.cumsum(t.act_bytes)]) * m)
@@ -177,14 +212,17 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
             for li, ln in enumerate(lanes):
                 if stage_lanes is not None and stage_lanes[s] != li:
                     continue
-                lane_t = pre_t[li][j] - pre_t[li][starts] + (cut_t[li][j - 1] if s < S - 1 else 0.0)
+                lane_t = pre_t[li][j] - pre_t[li][starts] + (cut_t[li][s][j - 1] if s < S - 1 else 0.0)
                 t = np.maximum(t, lane_t)
                 act = pre_act[li][j] - pre_act[li][starts]
                 kept = act + stage_input[li] * in_flight if ln.recompute else act * in_flight
                 fits &= pre_state[li][j] - pre_state[li][starts] + kept <= ln.table.capacity_bytes
             prev = best[s - 1][starts] if s else np.zeros(1)
             cand = np.where(fits, np.maximum(prev, t), np.inf)
-            k = int(np.argmin(cand))
+            # among equal bottlenecks the latest start: earlier stages take the blocks. Under 1F1B
+            # the first micro-batch reaches the slowest stage after the stages before it, and its
+            # gradient drains back through them, so a slow stage costs least at the front.
+            k = len(cand) - 1 - int(np.argmin(cand[::-1]))
             best[s][j], start_of[s][j] = cand[k], starts[k]
     if not np.isfinite(best[S - 1][N]):
         return None

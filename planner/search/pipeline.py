@@ -1,0 +1,176 @@
+"""Exact time of one replica's pipeline under 1F1B, for every micro-batch count at once.
+
+Stage s runs a forward (f_s) and a backward (b_s) per micro-batch; activations go to stage s+1 and
+gradients back to stage s-1, sent asynchronously over a link that carries one transfer at a time
+(x_s per micro-batch, each way): the schedule backends/sim runs. The closed form
+sum(stages) + (M - 1) * slowest stage is exact for equal stages only: it misses how an isolated
+slow stage's warm-up forwards overlap the other stages' fill, and how transfers overlap compute.
+
+- M >= S - 1 (every stage has its full warm-up of S-1-s forwards): round k is every stage's k-th
+  (forward, backward) pair. A round's forwards depend on the previous round only; its backwards
+  on the next stage's backward of the same round: a max-plus scan over stages. Rounds do not
+  depend on M; each M's drain (stage s's last S-1-s backwards) starts from stage s's last round and
+  is one scan per column, vectorised over M. O(S * M_max) in all.
+- M < S - 1 (warm-up cut short): the schedule is walked action by action, O(S * M) per M
+  (pipelines deeper than WALK_MAX_STAGES: at powers of two, interpolated between).
+
+tests/test_pipeline_time.py checks both against backends/sim on random pipelines.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from planner import schedule as sched
+
+# Beyond this depth the short-warm-up counts (M < S - 1) are walked at M = 1, 2, 4, 8, ... only and
+# interpolated linearly between them and the exact M = S - 1 (walking every one costs O(S^3) per
+# pipeline); the closed form, an upper bound, caps the interpolation.
+WALK_MAX_STAGES = 16
+
+
+# makespans are computed for M up to this (or the next power of two above a larger M) and cached
+DEFAULT_MAX_MICRO = 256
+
+
+def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int) -> float:
+    """The makespan with `micro_batches` micro-batches (cached per pipeline)."""
+    limit = DEFAULT_MAX_MICRO
+    while limit < micro_batches:
+        limit *= 2
+    return float(_cached(fwd, bwd, send, limit)[micro_batches])
+
+
+def pipeline_at_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
+                  micro_batches: int) -> float:
+    """The makespan with `micro_batches` micro-batches alone (exact at any depth; not cached)."""
+    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    x = np.append(np.asarray(send, dtype=float), 0.0)
+    if len(f) == 1:
+        return micro_batches * float(f[0] + b[0])
+    if micro_batches < len(f) - 1:
+        return walk_s(f, b, x, micro_batches)
+    return float(_lattice(f, b, x, micro_batches)[-1])
+
+
+@functools.lru_cache(maxsize=8192)
+def _cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], max_micro: int) -> np.ndarray:
+    return makespans_s(fwd, bwd, send, max_micro)
+
+
+def closed_form_s(fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray, micro_batches: int) -> float:
+    """sum(stage) + (M - 1) * slowest stage, a stage's time counting both its transfers."""
+    stage = fwd + bwd
+    stage[:-1] += 2 * send
+    return float(stage.sum() + (micro_batches - 1) * stage.max())
+
+
+def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
+                max_micro: int) -> np.ndarray:
+    """out[M] = seconds from the first forward to the last backward with M micro-batches, M = 1 ..
+    max_micro (out[0] = 0). `send[s]` is one transfer between stages s and s+1 (S - 1 of them)."""
+    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    x = np.append(np.asarray(send, dtype=float), 0.0)
+    S = len(f)
+    out = np.zeros(max_micro + 1)
+    if S == 1:
+        out[1:] = np.arange(1, max_micro + 1) * (f[0] + b[0])
+        return out
+    if max_micro >= S - 1:
+        out[S - 1:] = _lattice(f, b, x, max_micro)
+    short = range(1, min(S - 1, max_micro + 1))
+    walked = [M for M in short if S <= WALK_MAX_STAGES or M & (M - 1) == 0 or
+              (M == short[-1] and max_micro < S - 1)]
+    for M in walked:
+        out[M] = walk_s(f, b, x, M)
+    anchors = walked + ([S - 1] if max_micro >= S - 1 else [])
+    for lo, hi in zip(anchors, anchors[1:]):
+        for M in range(lo + 1, hi):
+            between = out[lo] + (out[hi] - out[lo]) * (M - lo) / (hi - lo)
+            out[M] = min(between, closed_form_s(f, b, x[:-1], M))
+    return out
+
+
+def walk_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, M: int) -> float:
+    """The 1F1B schedule (planner.schedule) walked action by action, as backends/sim does."""
+    S = len(f)
+    fl, bl, xl = f.tolist(), b.tolist(), x.tolist()
+    actions = sched.one_f_one_b(S, M)
+    pos, free = [0] * S, [0.0] * S
+    f_in = [[-1.0] * M for _ in range(S)]     # arrival of micro-batch j's input (-1: not yet)
+    b_in = [[-1.0] * M for _ in range(S)]
+    link_f, link_b = [0.0] * S, [0.0] * S
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        for s in range(S):
+            acts = actions[s]
+            while pos[s] < len(acts):
+                a = acts[pos[s]]
+                j = a.micro
+                if a.kind == "F":
+                    ready = 0.0 if s == 0 else f_in[s][j]
+                    if ready < 0:
+                        break
+                    end = max(free[s], ready) + fl[s]
+                    if s + 1 < S:
+                        link_f[s] = max(end, link_f[s]) + xl[s]
+                        f_in[s + 1][j] = link_f[s]
+                else:
+                    ready = 0.0 if s == S - 1 else b_in[s][j]
+                    if ready < 0:
+                        break
+                    end = max(free[s], ready) + bl[s]
+                    if s > 0:
+                        link_b[s] = max(end, link_b[s]) + xl[s - 1]
+                        b_in[s - 1][j] = link_b[s]
+                free[s] = end
+                pos[s] += 1
+                remaining -= 1
+    return max(free)
+
+
+def _lattice(f: np.ndarray, b: np.ndarray, x: np.ndarray, max_micro: int) -> np.ndarray:
+    """Makespans for M = S-1 .. max_micro (see the module docstring)."""
+    S = len(f)
+    # warm-up: column i, stages 0 .. S-2-i run forward i
+    fend, farr, end = [0.0] * S, [0.0] * S, [0.0] * S
+    fl, xl = f.tolist(), x.tolist()
+    for i in range(S - 1):
+        for s in range(S - 1 - i):
+            arr = 0.0 if s == 0 else max(fend[s - 1], farr[s]) + xl[s - 1]
+            fend[s] = end[s] = max(end[s], arr) + fl[s]
+            farr[s] = arr
+    g = x[:-1] + b[:-1]                       # E(s+1) -> E(s): the gradient's transfer, then s's backward
+    G = np.concatenate([[0.0], np.cumsum(g)])  # G[s] = g[0] + ... + g[s-1]
+    rounds = max_micro                         # the last stage's last round is M - 1
+    END = np.empty((rounds + 1, S))            # per stage, after r rounds: end of its last action
+    BARR = np.empty((rounds + 1, S))           # and arrival of its last gradient input
+    Fend, Farr, E, Barr = np.array(fend), np.array(farr), np.array(end), np.full(S, -np.inf)
+    END[0], BARR[0] = E, Barr
+    arr_f = np.zeros(S)
+    for k in range(rounds):
+        arr_f[1:] = np.maximum(Fend[:-1], Farr[1:]) + x[:-1]
+        Fnew = np.maximum(E, arr_f) + f
+        X = Fnew.copy()
+        X[:-1] = np.maximum(Fnew[:-1], Barr[:-1] + x[:-1])
+        E = np.maximum.accumulate((X + b + G)[::-1])[::-1] - G
+        Bnew = Barr.copy()
+        Bnew[:-1] = np.maximum(E[1:], Barr[:-1]) + x[:-1]
+        Fend, Farr, Barr = Fnew, arr_f.copy(), Bnew
+        END[k + 1], BARR[k + 1] = E, Barr
+    # drain of each M, vectorised over M: stage s starts it after round M - S + s
+    Ms = np.arange(S - 1, max_micro + 1)
+    stages = np.arange(S)[:, None]
+    last = Ms[None, :] - S + stages + 1
+    end2 = END[last, stages]                   # (S, len(Ms))
+    barr2 = BARR[last, stages]
+    for c in range(S - 1):                     # column c: stages 0 .. c run a drain backward
+        anchor = end2[c + 1]                   # stage c+1's backward of the same micro-batch
+        X = np.maximum(end2[:c + 1], barr2[:c + 1] + x[:c + 1, None])
+        Z = np.vstack([X + (b[:c + 1] + G[:c + 1])[:, None], (anchor + G[c + 1])[None, :]])
+        Ec = np.maximum.accumulate(Z[::-1], axis=0)[::-1] - G[:c + 2, None]
+        barr2[:c + 1] = np.maximum(Ec[1:], barr2[:c + 1]) + x[:c + 1, None]
+        end2[:c + 1] = Ec[:c + 1]
+    return end2[0]
