@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from costmodel.tables import CostTables
-from planner.search.split import Lane, Split, block_phases_s, kept_activation_bytes, solve_mixed_bounds
+from planner.search.split import Lane, Split, costs_per_stage, solve_mixed_bounds
 
 if TYPE_CHECKING:
     from planner.search.ilp import Config
@@ -36,29 +36,12 @@ def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tupl
     """`bounds` with stage s on class stage_classes[s]; None when a stage does not fit its memory."""
     from planner.search.ilp import cut_links
 
-    S = len(bounds) - 1
-    links = cut_links(tables, stage_classes)
-    times, mems, grads, fwds, bwds, sends = [], [], [], [], [], []
-    for s, ci in enumerate(stage_classes):
-        table = tables.classes[ci]
-        blocks = range(bounds[s], bounds[s + 1])
-        fwd, bwd = block_phases_s(table, blocks, micro_batch, recompute)
-        t = fwd + bwd
-        if s < S - 1:
-            bw, lat = links[s]
-            sends.append(lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
-            t += 2 * sends[-1]
-        mem = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
-            table, blocks, micro_batch, S - s, recompute)
-        if mem > table.capacity_bytes:
-            return None
-        times.append(t)
-        mems.append(mem)
-        grads.append(sum(tables.grad_bytes[b] for b in blocks))
-        fwds.append(fwd)
-        bwds.append(bwd)
-    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute,
-                 fwd_s=tuple(fwds), bwd_s=tuple(bwds), send_s=tuple(sends))
+    stage_tables = [tables.classes[ci] for ci in stage_classes]
+    split = costs_per_stage(stage_tables, bounds, micro_batch, cut_links(tables, stage_classes),
+                            tables.grad_bytes, recompute)
+    if any(mem > t.capacity_bytes for mem, t in zip(split.stage_memory_bytes, stage_tables)):
+        return None
+    return split
 
 
 def stage_count_options(tables: CostTables, first: int, second: int) -> list[int]:

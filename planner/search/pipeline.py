@@ -30,7 +30,6 @@ from planner import schedule as sched
 # pipeline); the closed form, an upper bound, caps the interpolation.
 WALK_MAX_STAGES = 16
 
-
 # makespans are computed for M up to this (or the next power of two above a larger M) and cached
 DEFAULT_MAX_MICRO = 256
 
@@ -46,13 +45,19 @@ def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float
 def pipeline_at_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
                   micro_batches: int) -> float:
     """The makespan with `micro_batches` micro-batches alone (exact at any depth; not cached)."""
-    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
-    x = np.append(np.asarray(send, dtype=float), 0.0)
+    f, b, x = _arrays(fwd, bwd, send)
     if len(f) == 1:
         return micro_batches * float(f[0] + b[0])
     if micro_batches < len(f) - 1:
         return walk_s(f, b, x, micro_batches)
     return float(_lattice(f, b, x, micro_batches)[-1])
+
+
+def _arrays(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """f, b and x with x[S-1] = 0 (the last stage sends nothing on), as the walks index them."""
+    return (np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float),
+            np.append(np.asarray(send, dtype=float), 0.0))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -71,8 +76,7 @@ def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[floa
                 max_micro: int) -> np.ndarray:
     """out[M] = seconds from the first forward to the last backward with M micro-batches, M = 1 ..
     max_micro (out[0] = 0). `send[s]` is one transfer between stages s and s+1 (S - 1 of them)."""
-    f, b = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
-    x = np.append(np.asarray(send, dtype=float), 0.0)
+    f, b, x = _arrays(fwd, bwd, send)
     S = len(f)
     out = np.zeros(max_micro + 1)
     if S == 1:

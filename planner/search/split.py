@@ -26,20 +26,25 @@ class Split:
     """Stage s covers blocks bounds[s] .. bounds[s+1]-1."""
 
     bounds: tuple[int, ...]
-    stage_s: tuple[float, ...]        # per micro-batch: compute + launches + boundary transfers
+    # per micro-batch, as the schedule runs them (planner.search.pipeline): each stage's forward
+    # and backward, and one transfer over each cut (either way)
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    send_s: tuple[float, ...]
     stage_memory_bytes: tuple[float, ...]
     stage_grad_bytes: tuple[float, ...]
     optimal: bool
     recompute: bool = False
-    # the same time in the parts the schedule runs apart (planner.search.pipeline), per micro-batch:
-    # each stage's forward and backward, and one transfer over each cut (either way)
-    fwd_s: tuple[float, ...] = ()
-    bwd_s: tuple[float, ...] = ()
-    send_s: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def stage_s(self) -> tuple[float, ...]:
+        """Per micro-batch: compute + launches + both transfers of the stage's outgoing cut."""
+        return tuple(f + b + (2 * self.send_s[s] if s < len(self.send_s) else 0.0)
+                     for s, (f, b) in enumerate(zip(self.fwd_s, self.bwd_s)))
 
     @property
     def max_stage_s(self) -> float:
@@ -81,26 +86,27 @@ Links = tuple[tuple[float, float], ...]
 def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, links: Links,
                 grad_bytes: tuple[float, ...], recompute: bool = False) -> Split:
     """Evaluate a given split (used by the solver's result and by baseline strategies)."""
+    return costs_per_stage([table] * (len(bounds) - 1), bounds, micro_batch, links, grad_bytes, recompute)
+
+
+def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], micro_batch: int, links: Links,
+                    grad_bytes: tuple[float, ...], recompute: bool) -> Split:
+    """Evaluate a given split with stage s costed on stage_tables[s] (one device class per stage)."""
     S = len(bounds) - 1
-    times, mems, grads, fwds, bwds, sends = [], [], [], [], [], []
-    for s in range(S):
+    mems, grads, fwds, bwds, sends = [], [], [], [], []
+    for s, table in enumerate(stage_tables):
         blocks = range(bounds[s], bounds[s + 1])
         fwd, bwd = block_phases_s(table, blocks, micro_batch, recompute)
-        t = fwd + bwd
-        last = bounds[s + 1] - 1
         if s < S - 1:
             bw, lat = links[s]
-            sends.append(lat + table.boundary_bytes[last] * micro_batch / bw)
-            t += 2 * sends[-1]
-        mem = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
-            table, blocks, micro_batch, S - s, recompute)
-        times.append(t)
-        mems.append(mem)
+            sends.append(lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
+        mems.append(sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
+            table, blocks, micro_batch, S - s, recompute))
         grads.append(sum(grad_bytes[b] for b in blocks))
         fwds.append(fwd)
         bwds.append(bwd)
-    return Split(tuple(bounds), tuple(times), tuple(mems), tuple(grads), optimal=False, recompute=recompute,
-                 fwd_s=tuple(fwds), bwd_s=tuple(bwds), send_s=tuple(sends))
+    return Split(tuple(bounds), tuple(fwds), tuple(bwds), tuple(sends), tuple(mems), tuple(grads),
+                 optimal=False, recompute=recompute)
 
 
 def equal_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
