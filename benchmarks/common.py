@@ -81,7 +81,7 @@ def plan_ilp_phases(model: TracedModel, spec: ClusterSpec, options: PlanOptions)
     tables = build_tables(model.blocks, spec, global_batch=options.global_batch, trace_batch=DEFAULT_TRACE_BATCH,
                           precision_policy=options.precision, memory_margin=options.memory_margin)
     times["tables_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-    configs = ilp.build_configs(tables, options.stages, options.micro_batch)
+    configs = ilp.build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
     if not configs:
         raise PlanningError(explain.nothing_fits(tables, options.stages), fix=explain.what_would_fit(tables))
     times["configs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -90,7 +90,7 @@ def plan_ilp_phases(model: TracedModel, spec: ClusterSpec, options: PlanOptions)
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
     times["solve_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     plan = assemble(solution=solution, tables=tables, blocks=model.blocks, spec=spec,
-                    inputs=_inputs(model, spec, options), strategy="ilp", schedule=options.schedule)
+                    inputs=_inputs(model, spec, options), strategy="ilp")
     times["assemble_s"], t0 = time.perf_counter() - t0, time.perf_counter()
     verify_plan(plan, spec)
     times["verify_s"] = time.perf_counter() - t0

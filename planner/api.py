@@ -20,7 +20,7 @@ from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Block, Blocks
 from passes.verify import verify_plan
-from planner import frontend
+from planner import frontend, schedule
 from planner.errors import HetplanError, PlanningError
 from planner.ir import Plan, PlanInputs
 from planner.search import baselines, runners_up, strategies
@@ -40,7 +40,7 @@ class PlanOptions:
     use_all_devices: bool = False      # every device must serve a stage
     micro_batch: int | None = None     # force the micro-batch size
     memory_margin: float = 0.1
-    schedule: str = "1f1b"
+    schedule: str = "auto"             # auto (the search chooses per replica) | 1f1b | gpipe
     compression: str = "none"              # gradients: none | auto | fp16 | bf16 | powersgd | onebit
     activation_compression: str = "none"   # pipeline links: none | auto | fp16 | bf16 | int8
     time_limit_s: float = 10.0         # solver work limit (CP-SAT deterministic seconds)
@@ -83,13 +83,16 @@ def trace_model_file(model_file: frontend.ModelFile, trace_batch: int = DEFAULT_
     return gm, gm.meta[BLOCKS_KEY], meta_inputs
 
 
-def _check_compression(options: PlanOptions) -> None:
+def _check_choices(options: PlanOptions) -> None:
     for value, known, flag in ((options.compression, compression.GRADIENT_POLICIES, "--compression"),
                                (options.activation_compression, compression.ACTIVATION_POLICIES,
                                 "--activation-compression")):
         if value not in known:
             raise PlanningError(f"unknown compression `{value}`", field=flag,
                                 fix=f"use one of: {', '.join(known)}")
+    if options.schedule not in schedule.CHOICES:
+        raise PlanningError(f"unknown schedule `{options.schedule}`", field="--schedule",
+                            fix=f"use one of: {', '.join(schedule.CHOICES)}")
 
 
 def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block],
@@ -125,7 +128,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     if options.global_batch < 1:
         raise PlanningError(f"global batch {options.global_batch} must be at least 1", field="--global-batch",
                             fix="pass a positive --global-batch")
-    _check_compression(options)
+    _check_choices(options)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)

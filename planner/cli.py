@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from planner import schedule
 from planner.errors import HetplanError, PlanFileError
 
 SUBCOMMANDS = ("inspect", "run", "profile")
@@ -33,7 +34,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=None, help="force every pipeline to this many stages")
     p.add_argument("--micro-batch", type=int, default=None, help="force the micro-batch size")
     p.add_argument("--use-all-devices", action="store_true", help="every device must serve a stage")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--schedule", default="auto", choices=schedule.CHOICES,
+                   help="pipeline schedule: auto (the search chooses per replica), or force one")
     p.add_argument("--compression", default="none",
                    choices=["none", "auto", "fp16", "bf16", "powersgd", "onebit"],
                    help="gradient compression: none (exact), auto (the planner picks what pays per group), "

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from planner.errors import PassError
 
 _ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
+SCHEDULES = ("1f1b", "gpipe")
+CHOICES = ("auto", *SCHEDULES)   # what a user may ask for: auto lets the search choose per replica
 
 
 @dataclass(frozen=True)

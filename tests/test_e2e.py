@@ -82,7 +82,7 @@ def test_resnet_skip_across_stages_matches_single_process(tmp_path):
 def test_mlp_gpipe_schedule_matches_single_process(tmp_path):
     out = tmp_path / "out"
     proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
-                        "--global-batch", "16", "--stages", "2", "--use-all-devices", "--micro-batch", "3",
+                        "--global-batch", "14", "--stages", "2", "--use-all-devices", "--micro-batch", "3",
                         "--schedule", "gpipe", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     plan = Plan.load(out)

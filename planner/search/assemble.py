@@ -115,7 +115,7 @@ def _with_activation_compressor(edge: P2PEdge, policy: str, replicas: list[Repli
 
 
 def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
-             inputs: PlanInputs, strategy: str, schedule: str = "1f1b") -> Plan:
+             inputs: PlanInputs, strategy: str) -> Plan:
     replicas = _allocate(spec, tables, solution.choices)
     if any(len(r.devices) < r.config.num_stages for r in replicas):
         raise PlanningError("could not place the chosen pipelines on the nodes",
@@ -147,7 +147,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if cfg.split.recompute else 1)
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))
-            in_flight = memory.in_flight_micro_batches(schedule, s, S, len(micro_sizes))
+            in_flight = memory.in_flight_micro_batches(cfg.schedule, s, S, len(micro_sizes))
             mem = sum(table.state_bytes[b] for b in range(lo, hi)) + kept_activation_bytes(
                 table, range(lo, hi), cfg.micro_batch, in_flight, cfg.split.recompute) \
                 + memory.framework_bytes(rep.devices[s].type)
@@ -167,7 +167,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank, sender.boundary_bytes[lo - 1], "none"))
             rank += 1
         group = "+".join(tables.classes[ci].name for ci in dict.fromkeys(cfg.classes))
-        replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, schedule, rep.time_s()))
+        replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule, rep.time_s()))
 
     all_devices = spec.devices()
     rank_device = {st.rank: all_devices[st.device] for rp in replica_plans for st in rp.stages}

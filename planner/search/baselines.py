@@ -20,6 +20,7 @@ the model raises PlanningError saying why.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -243,6 +244,14 @@ def metis_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
     return sol
 
 
+def as_gpipe(tables: CostTables, solution: ilp.Solution) -> ilp.Solution:
+    """The baseline's replicas run GPipe (`--schedule gpipe`), re-estimated; they are chosen as 1F1B
+    pipelines, as the baselines' own recipes do, and GPipe's memory is checked when the plan is verified."""
+    replicas = [(dataclasses.replace(c.config, schedule="gpipe"), c.share) for c in solution.choices
+                for _ in range(c.replicas)]
+    return evaluate(tables, replicas, solution.status)
+
+
 SOLVERS: dict[str, Callable[[CostTables, PlanOptions], ilp.Solution]] = {
     "uniform": uniform_solution, "fastest": fastest_solution, "megatron": megatron_solution,
     "metis": metis_solution,
@@ -253,7 +262,8 @@ def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec
         options: PlanOptions) -> Plan:
     """Plan with baseline `name` (a key of SOLVERS); the plan is verified, memory included."""
     solution = SOLVERS[name](tables, options)
-    plan = assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name,
-                    schedule=options.schedule)
+    if options.schedule == "gpipe":
+        solution = as_gpipe(tables, solution)
+    plan = assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name)
     verify_plan(plan, spec)
     return plan

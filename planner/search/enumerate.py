@@ -28,7 +28,6 @@ literal multiset enumeration on tiny cases.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import networkx as nx
@@ -77,7 +76,7 @@ def all_items(tables: CostTables, configs: list[ilp.Config], max_micro: int = MA
     B = tables.global_batch
     items = []
     for k, c in enumerate(configs):
-        for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
+        for M in c.micro_batch_counts(B, max_micro):
             items.append(Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B)))
     return items
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from costmodel.tables import CostTables
-from planner.search import align, hetero
+from planner.search import align, hetero, schedules
 from planner.search.pipeline import pipeline_s
 from planner.search.split import NS_PER_S, Links, Split
 from planner.search.sync import drain_overlap_s, split_sync_s
@@ -43,6 +43,9 @@ class Config:
     intra_node: bool            # the whole pipeline sits inside one node
     # per stage, when the pipeline spans device classes (planner.search.hetero); else all `cls`
     stage_classes: tuple[int, ...] = ()
+    schedule: str = "1f1b"          # one of planner.schedule.SCHEDULES
+    # GPipe keeps every micro-batch's activations: the most micro-batches that fit (None: no limit)
+    max_micro_batches: int | None = None
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -59,10 +62,18 @@ class Config:
         return self.classes
 
     def replica_time_s(self, micro_batches: int) -> float:
-        """One replica's iteration with M micro-batches: the 1F1B schedule's makespan
+        """One replica's iteration with M micro-batches: its schedule's makespan
         (planner.search.pipeline), then the optimizer."""
         sp = self.split
-        return pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches) + self.optimizer_s
+        return pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s
+
+    def micro_batch_counts(self, global_batch: int, most: int) -> range:
+        """The micro-batch counts a replica of this configuration may run: up to `most`, no more than
+        the global batch needs, and within the schedule's memory."""
+        limit = min(most, math.ceil(global_batch / self.micro_batch))
+        if self.max_micro_batches is not None:
+            limit = min(limit, self.max_micro_batches)
+        return range(1, limit + 1)
 
     def replica_time_ns(self, micro_batches: int) -> int:
         return _ns(self.replica_time_s(micro_batches))
@@ -92,6 +103,11 @@ MAX_STAGES = 128
 # costs at most ~1.6% of a replica's time, and none below 64 samples).
 CAPACITY_STEP_FRACTION = 64
 MIXED_MAX_DEVICES = 64
+# CP-SAT presolve rounds and probing level (its defaults: 3 and 2). The model is staircases of
+# implications: repeated rounds re-probe them and find nothing new (2.3 of 2.8 s at 1024 GPUs), so one
+# round and light probing prove the same optimum sooner (benchmarks/solver_settings.py).
+PRESOLVE_ITERATIONS = 1
+PROBING_LEVEL = 1
 
 
 def micro_batch_options(global_batch: int, limit: int = 64) -> list[int]:
@@ -115,10 +131,12 @@ def stage_count_options(num_blocks: int, num_devices: int, per_node: int,
 
 
 def build_configs(tables: CostTables, fixed_stages: int | None = None,
-                  fixed_micro_batch: int | None = None, mixed_pipelines: bool = True) -> list[Config]:
+                  fixed_micro_batch: int | None = None, mixed_pipelines: bool = True,
+                  schedule: str = "auto") -> list[Config]:
     """Per (class, stage count, micro-batch size) a configuration with its stage split: per stage
     count one split shared by the classes where it fits (aligned gradient groups, planner.search.align);
-    and pipelines whose stages span two classes (planner.search.hetero)."""
+    and pipelines whose stages span two classes (planner.search.hetero). Each runs 1F1B and, as far as
+    its memory holds GPipe's micro-batches, GPipe (`schedule`: "auto" both, else that one only)."""
     micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
     by_stages: dict[int, list[int]] = {}
     for ci, table in enumerate(tables.classes):
@@ -138,7 +156,8 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     # for its own pipelines, so they are offered there only when no single-class pipeline fits
     if mixed_pipelines and (not configs or sum(t.num_devices for t in tables.classes) <= MIXED_MAX_DEVICES):
         configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
-    return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes))
+    configs = schedules.with_schedules(tables, configs, schedule)
+    return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b"))
 
 
 def cut_links(tables: CostTables, classes: tuple[int, ...]) -> Links:
@@ -198,7 +217,7 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     B = tables.global_batch
     by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Item]] = {}
     for k, c in enumerate(configs):
-        for M in range(1, min(max_micro, math.ceil(B / c.micro_batch)) + 1):
+        for M in c.micro_batch_counts(B, max_micro):
             item = _Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
             by_shape.setdefault((c.shape, c.split.bounds), []).append(item)
     items: list[_Item] = []
@@ -253,13 +272,8 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     for l in range(len(levels) - 1):
         model.add_implication(ge[l + 1], ge[l])
     level_of = {t: l for l, t in enumerate(levels)}
-    used = []
     for i, item in enumerate(items):
         model.add(n[i] <= n_max[i] * ge[level_of[item.time_ns]])
-        u = model.new_bool_var(f"used{i}")
-        model.add(n[i] >= 1).only_enforce_if(u)
-        model.add(n[i] == 0).only_enforce_if(u.Not())
-        used.append(u)
     t_pipe = sum(ge[l] * (levels[l] - (levels[l - 1] if l else 0)) for l in range(len(levels)))
 
     replicas = model.new_int_var(1, max_replicas, "replicas")
@@ -279,8 +293,9 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     split_used = []
     for si, bounds in enumerate(splits):
         flag = model.new_bool_var(f"split{si}")
-        model.add_max_equality(flag, [used[i] for i, it in enumerate(items)
-                                      if configs[it.config].split.bounds == bounds])
+        for i, it in enumerate(items):
+            if configs[it.config].split.bounds == bounds:
+                model.add(n[i] <= n_max[i] * flag)
         split_used.append(flag)
     for S in sorted({len(b) for b in splits}):
         model.add_at_most_one(split_used[si] for si, b in enumerate(splits) if len(b) == S)
@@ -295,7 +310,8 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         members = [i for i, it in enumerate(items)
                    if (configs[it.config].shape, configs[it.config].split.bounds) == (shape, bounds)]
         group_used = model.new_bool_var(f"group{gi}")
-        model.add_max_equality(group_used, [used[i] for i in members])
+        for i in members:
+            model.add(n[i] <= n_max[i] * group_used)
         class_used[ci].append(group_used)
         table = tables.classes[ci]
         link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
@@ -331,6 +347,8 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
     # CP-SAT 9.15's inclusion presolve can cut optimal solutions of this model and still report
     # OPTIMAL (seen on all-devices instances, cf. or-tools#5293); the exact enumerator caught it
     solver.parameters.presolve_inclusion_work_limit = 0
+    solver.parameters.max_presolve_iterations = PRESOLVE_ITERATIONS
+    solver.parameters.cp_model_probing_level = PROBING_LEVEL
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

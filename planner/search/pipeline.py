@@ -1,4 +1,4 @@
-"""Exact time of one replica's pipeline under 1F1B, for every micro-batch count at once.
+"""Exact time of one replica's pipeline under 1F1B or GPipe, for every micro-batch count at once.
 
 Stage s runs a forward (f_s) and a backward (b_s) per micro-batch; activations go to stage s+1 and
 gradients back to stage s-1, sent asynchronously over a link that carries one transfer at a time
@@ -14,7 +14,13 @@ slow stage's warm-up forwards overlap the other stages' fill, and how transfers 
 - M < S - 1 (warm-up cut short): the schedule is walked action by action, O(S * M) per M
   (pipelines deeper than WALK_MAX_STAGES: at powers of two, interpolated between).
 
-tests/test_pipeline_time.py checks both against backends/sim on random pipelines.
+GPipe (every forward, then every backward) is two flow shops of identical jobs whose machines are the
+stages and the links between them: the forwards from stage 0, then the backwards from the last
+stage, stage s starting them once its own forwards end. The longest path through such a lattice
+crosses each machine once and repeats the slowest machine it crosses M - 1 times, so the makespan is
+a maximum over the stage where the path turns from forwards to backwards: O(S) per M.
+
+tests/test_pipeline_time.py checks all of them against backends/sim on random pipelines.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ WALK_MAX_STAGES = 16
 DEFAULT_MAX_MICRO = 256
 
 
-def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int) -> float:
-    """The makespan with `micro_batches` micro-batches (cached per pipeline)."""
+def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int,
+               schedule: str = "1f1b") -> float:
+    """The makespan with `micro_batches` micro-batches under `schedule` (cached per pipeline)."""
     limit = DEFAULT_MAX_MICRO
     while limit < micro_batches:
         limit *= 2
-    return float(_cached(fwd, bwd, send, limit)[micro_batches])
+    return float(_cached(fwd, bwd, send, limit, schedule)[micro_batches])
 
 
 def pipeline_at_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
@@ -61,8 +68,26 @@ def _arrays(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, .
 
 
 @functools.lru_cache(maxsize=8192)
-def _cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], max_micro: int) -> np.ndarray:
+def _cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], max_micro: int,
+            schedule: str) -> np.ndarray:
+    if schedule == "gpipe":
+        return gpipe_makespans_s(fwd, bwd, send, max_micro)
     return makespans_s(fwd, bwd, send, max_micro)
+
+
+def gpipe_makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
+                      max_micro: int) -> np.ndarray:
+    """out[M] under GPipe, M = 1 .. max_micro (out[0] = 0); see the module docstring."""
+    f, b, x = _arrays(fwd, bwd, send)
+    link = np.concatenate([[0.0], np.cumsum(x[:-1])])              # transfers before stage s
+    slow_link = np.concatenate([[0.0], np.maximum.accumulate(x[:-1])])
+    # turning at stage s: stages 0..s and their links, forward then backward
+    fill = np.cumsum(f) + np.cumsum(b) + 2 * link
+    slowest = np.maximum(np.maximum.accumulate(f), slow_link) + np.maximum(np.maximum.accumulate(b), slow_link)
+    Ms = np.arange(max_micro + 1)
+    out = (fill[:, None] + slowest[:, None] * (Ms[None, :] - 1)).max(axis=0)
+    out[0] = 0.0
+    return out
 
 
 def closed_form_s(fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray, micro_batches: int) -> float:

@@ -33,7 +33,7 @@ def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block],
                             fix=f"use one of: {', '.join(STRATEGIES)}")
     if name in baselines.SOLVERS:
         return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options), []
-    configs = ilp.build_configs(tables, options.stages, options.micro_batch)
+    configs = ilp.build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
     if not configs:
         raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
                             fix=explain.what_would_fit(tables))
@@ -47,8 +47,8 @@ def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block],
         solutions = ilp.solve_regimes(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
     if not solutions:
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
-    plans = [assemble(solution=s, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name,
-                      schedule=options.schedule) for s in solutions]
+    plans = [assemble(solution=s, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name)
+             for s in solutions]
     def label(s: ilp.Solution) -> str:
         if options.objective == "cost":
             return f"{name} fastest"

@@ -1,0 +1,49 @@
+"""Which pipeline schedule each configuration may run: 1F1B, GPipe, or both for the search to choose.
+
+Both run the same stages and split; they differ in time (planner.search.pipeline: GPipe streams its
+forwards and its backwards, so transfers that are long against compute overlap better than under
+1F1B's alternation) and in memory (1F1B holds at most S - s micro-batches' activations on stage s,
+GPipe all M). A GPipe configuration therefore carries the most micro-batches its stages hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from costmodel.tables import CostTables
+from planner.search.pipeline import DEFAULT_MAX_MICRO
+from planner.search.split import kept_activation_bytes
+
+if TYPE_CHECKING:
+    from planner.search.ilp import Config
+
+
+def with_schedules(tables: CostTables, configs: list[Config], schedule: str) -> list[Config]:
+    """The 1F1B configurations as asked by `schedule`: kept ("1f1b"), each with a GPipe twin where
+    GPipe holds at least two micro-batches ("auto"; with one both run the same), or the GPipe twins
+    alone where GPipe holds one ("gpipe")."""
+    if schedule == "1f1b":
+        return configs
+    twins = []
+    for c in configs:
+        most = gpipe_max_micro_batches(tables, c)
+        if most >= (1 if schedule == "gpipe" else 2):
+            twins.append(dataclasses.replace(c, schedule="gpipe", max_micro_batches=most))
+    return twins if schedule == "gpipe" else configs + twins
+
+
+def gpipe_max_micro_batches(tables: CostTables, config: Config) -> int:
+    """The most micro-batches whose activations every stage of `config` holds at once (GPipe's peak),
+    with the stage's training state, in its device's memory."""
+    sp, m = config.split, config.micro_batch
+    most = DEFAULT_MAX_MICRO
+    for s, ci in enumerate(config.classes):
+        table, blocks = tables.classes[ci], range(sp.bounds[s], sp.bounds[s + 1])
+        fixed = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(table, blocks, m, 0, sp.recompute)
+        each = kept_activation_bytes(table, blocks, m, 1, sp.recompute) - kept_activation_bytes(
+            table, blocks, m, 0, sp.recompute)
+        if each > 0:
+            most = min(most, math.floor((table.capacity_bytes - fixed) / each))
+    return most

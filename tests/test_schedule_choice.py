@@ -1,0 +1,105 @@
+"""The search chooses each replica's pipeline schedule (1F1B or GPipe) by its exact time, within memory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backends.sim.engine import simulate
+from backends.sim.inputs import ReplicaWork, SimInput, StageWork
+from planner.search import ilp, pipeline
+from planner.search.enumerate import solve_exact
+from planner.search.schedules import gpipe_max_micro_batches
+from tests import synthetic as syn
+from tests.test_pipeline_time import random_pipeline
+
+GIB = syn.GIB
+
+
+def simulated_s(fwd: list[float], bwd: list[float], send: list[float], micro_batches: int, schedule: str) -> float:
+    S, M = len(fwd), micro_batches
+    stages = tuple(StageWork(s, (fwd[s],) * M, (bwd[s],) * M, (send[s],) * M if s + 1 < S else (),
+                             (send[s - 1],) * M if s > 0 else (), 0.0) for s in range(S))
+    return simulate(SimInput(S, M, (ReplicaWork(0, schedule, stages),), ())).pipeline_s
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gpipe_makespans_equal_the_simulated_schedule(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    for _ in range(40):
+        fwd, bwd, send = random_pipeline(rng, 9)
+        most = rng.randint(1, 24)
+        got = pipeline.gpipe_makespans_s(tuple(fwd), tuple(bwd), tuple(send), most)
+        for M in range(1, most + 1):
+            assert got[M] == pytest.approx(simulated_s(fwd, bwd, send, M, "gpipe"), rel=1e-12), (fwd, bwd, send, M)
+
+
+def test_gpipe_streams_transfers_that_1f1b_alternates_with_compute() -> None:
+    """Two stages, forward = backward = transfer = 1: GPipe's forwards and backwards each stream
+    through stage, link, stage (2 * (3 + M - 1)); 1F1B makes every backward wait on a transfer."""
+    for M in (8, 32):
+        assert pipeline.pipeline_s((1.0, 1.0), (1.0, 1.0), (1.0,), M, "gpipe") == pytest.approx(2 * (M + 2))
+        assert pipeline.pipeline_s((1.0, 1.0), (1.0, 1.0), (1.0,), M) > 2 * (M + 2) + 1.0
+
+
+def _two_node_pipeline(act_gib: float, capacity_gib: float, global_batch: int):
+    """A model that must be cut in two (8 GiB of state, 6 GiB devices) across two one-device nodes,
+    its activations as large on the wire as its compute is long."""
+    t = syn.table("a", 1.0, blocks=8, devices=2, per_node=1, capacity_gib=capacity_gib, block_s=[2e-3] * 8,
+                  boundary_bytes=2e7, act_gib=act_gib)
+    return syn.tables([t], global_batch, inter_gbit_s=100.0)
+
+
+def test_search_picks_gpipe_where_it_is_faster_and_its_time_is_the_simulated_one() -> None:
+    tabs = _two_node_pipeline(act_gib=0.01, capacity_gib=6.0, global_batch=16)
+    only_1f1b = ilp.solve(tabs, ilp.build_configs(tabs, schedule="1f1b"))
+    auto = ilp.solve(tabs, ilp.build_configs(tabs))
+    assert {c.config.schedule for c in auto.choices} == {"gpipe"}
+    assert auto.objective_s < 0.9 * only_1f1b.objective_s
+    (choice,) = auto.choices
+    sp, M = choice.config.split, choice.share // choice.config.micro_batch
+    assert M <= choice.config.max_micro_batches
+    simulated = simulated_s(list(sp.fwd_s), list(sp.bwd_s), list(sp.send_s), M, "gpipe")
+    assert auto.pipeline_s == pytest.approx(simulated + choice.config.optimizer_s, rel=1e-6)
+    # the exact enumerator, over the same space, agrees
+    assert solve_exact(tabs, ilp.build_configs(tabs)).objective_s == pytest.approx(auto.objective_s, rel=1e-6)
+
+
+def test_gpipe_runs_only_as_many_micro_batches_as_its_stages_hold() -> None:
+    """1 GiB of activations per block and sample: without recompute GPipe's first stage holds its
+    4 GiB of state and two micro-batches of one sample (4 GiB each) in 12.5 GiB, where a 16-sample
+    batch needs 16; a GPipe plan must take recompute and larger micro-batches, or 1F1B."""
+    tabs = _two_node_pipeline(act_gib=1.0, capacity_gib=12.5, global_batch=16)
+    capacity = tabs.classes[0].capacity_bytes
+    configs = ilp.build_configs(tabs)
+    plain = [c for c in configs if c.schedule == "gpipe" and not c.split.recompute]
+    assert plain
+    for c in plain:
+        per_micro = 4 * GIB * c.micro_batch              # each stage: 4 blocks x 1 GiB x micro-batch
+        assert c.max_micro_batches == gpipe_max_micro_batches(tabs, c)
+        assert 4 * GIB + c.max_micro_batches * per_micro <= capacity < 4 * GIB + (c.max_micro_batches + 1) * per_micro
+    assert next(c for c in plain if c.micro_batch == 1).max_micro_batches == 2
+    for schedule in ("auto", "gpipe"):
+        found = ilp.solve(tabs, ilp.build_configs(tabs, schedule=schedule))
+        for choice in found.choices:
+            M = -(-choice.share // choice.config.micro_batch)
+            if choice.config.schedule == "gpipe":
+                assert M <= choice.config.max_micro_batches
+                assert choice.config.split.recompute
+
+
+def test_forcing_a_schedule_keeps_only_its_configurations() -> None:
+    tabs = _two_node_pipeline(act_gib=0.01, capacity_gib=6.0, global_batch=16)
+    assert {c.schedule for c in ilp.build_configs(tabs, schedule="1f1b")} == {"1f1b"}
+    assert {c.schedule for c in ilp.build_configs(tabs, schedule="gpipe")} == {"gpipe"}
+    assert {c.schedule for c in ilp.build_configs(tabs)} == {"1f1b", "gpipe"}
+
+
+def test_an_unknown_schedule_is_refused_before_tracing() -> None:
+    from planner.api import PlanOptions, plan
+    from planner.errors import PlanningError
+
+    with pytest.raises(PlanningError) as err:
+        plan("no-such-model.py", "no-such-cluster.yaml", PlanOptions(schedule="zigzag"))
+    assert err.value.field == "--schedule" and "auto, 1f1b, gpipe" in err.value.fix
