@@ -67,26 +67,21 @@ def test_search_picks_gpipe_where_it_is_faster_and_its_time_is_the_simulated_one
 
 
 def test_gpipe_runs_only_as_many_micro_batches_as_its_stages_hold() -> None:
-    """1 GiB of activations per block and sample: without recompute GPipe's first stage holds its
-    4 GiB of state and two micro-batches of one sample (4 GiB each) in 12.5 GiB, where a 16-sample
-    batch needs 16; a GPipe plan must take recompute and larger micro-batches, or 1F1B."""
+    """1 GiB of activations per block and sample: GPipe's first stage holds its 4 GiB of state and
+    two one-sample micro-batches (4 GiB each) in 12.5 GiB, where a 16-sample batch needs 16; at two
+    samples per micro-batch the first stage recomputes and the last holds one micro-batch. 1F1B
+    serves the batch, GPipe cannot."""
     tabs = _two_node_pipeline(act_gib=1.0, capacity_gib=12.5, global_batch=16)
     capacity = tabs.classes[0].capacity_bytes
-    configs = ilp.build_configs(tabs)
-    plain = [c for c in configs if c.schedule == "gpipe" and not c.split.recompute]
-    assert plain
+    configs = ilp.build_configs(tabs, schedule="gpipe")
+    plain = [c for c in configs if not c.split.recompute]
+    assert [c.micro_batch for c in plain] == [1]
     for c in plain:
         per_micro = 4 * GIB * c.micro_batch              # each stage: 4 blocks x 1 GiB x micro-batch
-        assert c.max_micro_batches == gpipe_max_micro_batches(tabs, c)
-        assert 4 * GIB + c.max_micro_batches * per_micro <= capacity < 4 * GIB + (c.max_micro_batches + 1) * per_micro
-    assert next(c for c in plain if c.micro_batch == 1).max_micro_batches == 2
-    for schedule in ("auto", "gpipe"):
-        found = ilp.solve(tabs, ilp.build_configs(tabs, schedule=schedule))
-        for choice in found.choices:
-            M = -(-choice.share // choice.config.micro_batch)
-            if choice.config.schedule == "gpipe":
-                assert M <= choice.config.max_micro_batches
-                assert choice.config.split.recompute
+        assert c.max_micro_batches == gpipe_max_micro_batches(tabs, c) == 2
+        assert 4 * GIB + 2 * per_micro <= capacity < 4 * GIB + 3 * per_micro
+    assert {c.config.schedule for c in ilp.solve(tabs, ilp.build_configs(tabs)).choices} == {"1f1b"}
+    assert ilp.solve(tabs, configs) is None
 
 
 def test_forcing_a_schedule_keeps_only_its_configurations() -> None:

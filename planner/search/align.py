@@ -108,8 +108,14 @@ def _rate(tables: CostTables, cls: int, bounds: Bounds, micro_options: list[int]
     if not fitting:
         return 0.0
     split, m = max(fitting, key=lambda pair: pair[1] / pair[0].max_stage_s)
-    micro_batches = min(RATE_MAX_MICRO, max(len(bounds) - 1, -(-tables.global_batch // m)))
-    return micro_batches * m / pipeline_at_s(split.fwd_s, split.bwd_s, split.send_s, micro_batches)
+    return split_rate(tables, split, m)
+
+
+def split_rate(tables: CostTables, split: Split, micro_batch: int) -> float:
+    """Samples per second of one replica running the batch in `micro_batch`-sample micro-batches
+    (at least S and at most RATE_MAX_MICRO of them) under 1F1B."""
+    micro_batches = min(RATE_MAX_MICRO, max(split.num_stages, -(-tables.global_batch // micro_batch)))
+    return micro_batches * micro_batch / pipeline_at_s(split.fwd_s, split.bwd_s, split.send_s, micro_batches)
 
 
 def _shared_at(tables: CostTables, classes: list[int], num_stages: int, micro_batch: int,

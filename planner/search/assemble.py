@@ -144,18 +144,19 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             for p in params:
                 holders.setdefault(p, []).append(rank)
             table = tables.classes[cfg.classes[s]]
-            fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if cfg.split.recompute else 1)
+            recompute = s < len(cfg.split.stage_recompute) and cfg.split.stage_recompute[s]
+            fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if recompute else 1)
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))
             in_flight = memory.in_flight_micro_batches(cfg.schedule, s, S, len(micro_sizes))
             mem = sum(table.state_bytes[b] for b in range(lo, hi)) + kept_activation_bytes(
-                table, range(lo, hi), cfg.micro_batch, in_flight, cfg.split.recompute) \
+                table, range(lo, hi), cfg.micro_batch, in_flight, recompute) \
                 + memory.framework_bytes(rep.devices[s].type)
             dev = rep.devices[s]
             stages.append(StagePlan(
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
                 rank=rank, device=dev.index, device_label=dev.label, device_type=dev.type.name,
-                precision=table.precision, recompute=cfg.split.recompute, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
+                precision=table.precision, recompute=recompute, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
                 overhead_s=over, memory_bytes=mem, params=tuple(params),
                 slowdown=dev.type.slowdown))
             memory_by_rank.append(mem)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from costmodel.tables import CostTables
+from planner.search import align
 from planner.search.split import Lane, Split, costs_per_stage, solve_mixed_bounds
 
 if TYPE_CHECKING:
@@ -77,10 +78,20 @@ def _splits(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...
         return []
     out = []
     for m in micro_options:
-        split = mixed_split(tables, classes, bounds, m, False) or mixed_split(tables, classes, bounds, m, True)
+        split = mixed_split(tables, classes, bounds, m, True)
         if split is not None:
             out.append((m, split))
     return out
+
+
+def _faster(tables: CostTables, candidates: list[list[tuple[int, Split]]]) -> list[tuple[int, Split]]:
+    """Per micro-batch size, the candidate split that runs the batch fastest (align.split_rate)."""
+    best: dict[int, Split] = {}
+    for found in candidates:
+        for m, split in found:
+            if m not in best or align.split_rate(tables, split, m) > align.split_rate(tables, best[m], m):
+                best[m] = split
+    return sorted(best.items())
 
 
 def pairs(tables: CostTables) -> list[tuple[int, int]]:
@@ -112,14 +123,14 @@ def mixed_configs(tables: CostTables, shared: dict[int, tuple[int, ...]], micro_
             for k in portions(S, first, second, tables):
                 classes = (first,) * k + (second,) * (S - k)
                 found = _splits(tables, classes, shared.get(S), micro_options)
-                # the shared split fits no micro-batch size: the pipeline's own, balanced at the middle
-                # size, else at the smallest (least activation memory)
+                # unless the shared split fits every micro-batch size without recompute: the pipeline's
+                # own too, balanced at the middle size, else at the smallest (least activation memory),
+                # with recompute where needed or without; per size the one that runs the batch fastest
                 for m_ref in dict.fromkeys((micro_options[len(micro_options) // 2], micro_options[0])):
-                    if found:
+                    if len(found) == len(micro_options) and not any(split.recompute for _, split in found):
                         break
-                    own = [b for recompute in (False, True)
-                           if (b := own_bounds(tables, classes, m_ref, recompute)) is not None]
-                    found = _splits(tables, classes, own[0] if own else None, micro_options)
+                    found = _faster(tables, [found, *(_splits(tables, classes, own_bounds(tables, classes, m_ref, rc),
+                                                              micro_options) for rc in (False, True))])
                 for m, split in found:
                     opt = max(sum(tables.classes[c].optimizer_s[b]
                                   for b in range(split.bounds[s], split.bounds[s + 1]))

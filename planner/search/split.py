@@ -5,8 +5,10 @@ minimising the slowest stage's time per micro-batch (compute, launches, boundary
 subject to each stage's memory (training state + activations of its in-flight micro-batches
 under 1F1B) fitting the device. A dynamic programme solves it exactly (the bottleneck contiguous
 partition; alpa's stage construction does the same); the top-level CP-SAT model then chooses
-among the shapes. With recompute (activation checkpointing of the whole stage)
-a stage keeps only its inputs per in-flight micro-batch and runs each forward twice.
+among the shapes. With recompute (activation checkpointing of the whole stage) a stage keeps only
+its inputs per in-flight micro-batch and runs each forward twice. Recompute is decided per stage:
+where a split may recompute, exactly the stages whose activations do not fit otherwise do (under
+1F1B the first stages hold the most micro-batches, so they are the ones that need it).
 """
 
 from __future__ import annotations
@@ -34,11 +36,16 @@ class Split:
     stage_memory_bytes: tuple[float, ...]
     stage_grad_bytes: tuple[float, ...]
     optimal: bool
-    recompute: bool = False
+    stage_recompute: tuple[bool, ...] = ()     # per stage (empty: none)
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def recompute(self) -> bool:
+        """Some stage recomputes (the split was made with recompute allowed where it is needed)."""
+        return any(self.stage_recompute)
 
     @property
     def stage_s(self) -> tuple[float, ...]:
@@ -85,28 +92,35 @@ Links = tuple[tuple[float, float], ...]
 
 def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, links: Links,
                 grad_bytes: tuple[float, ...], recompute: bool = False) -> Split:
-    """Evaluate a given split (used by the solver's result and by baseline strategies)."""
+    """Evaluate a given split (used by the solver's result and by baseline strategies); `recompute`:
+    stages that do not fit their memory otherwise recompute."""
     return costs_per_stage([table] * (len(bounds) - 1), bounds, micro_batch, links, grad_bytes, recompute)
 
 
 def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], micro_batch: int, links: Links,
                     grad_bytes: tuple[float, ...], recompute: bool) -> Split:
-    """Evaluate a given split with stage s costed on stage_tables[s] (one device class per stage)."""
+    """Evaluate a given split with stage s costed on stage_tables[s] (one device class per stage);
+    with `recompute`, the stages whose activations do not fit their memory otherwise recompute."""
     S = len(bounds) - 1
-    mems, grads, fwds, bwds, sends = [], [], [], [], []
+    mems, grads, fwds, bwds, sends, recomputes = [], [], [], [], [], []
     for s, table in enumerate(stage_tables):
         blocks = range(bounds[s], bounds[s + 1])
-        fwd, bwd = block_phases_s(table, blocks, micro_batch, recompute)
+        state = sum(table.state_bytes[b] for b in blocks)
+        mem = state + kept_activation_bytes(table, blocks, micro_batch, S - s, False)
+        stage_recompute = recompute and mem > table.capacity_bytes
+        if stage_recompute:
+            mem = state + kept_activation_bytes(table, blocks, micro_batch, S - s, True)
+        fwd, bwd = block_phases_s(table, blocks, micro_batch, stage_recompute)
         if s < S - 1:
             bw, lat = links[s]
             sends.append(lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
-        mems.append(sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(
-            table, blocks, micro_batch, S - s, recompute))
+        mems.append(mem)
         grads.append(sum(grad_bytes[b] for b in blocks))
         fwds.append(fwd)
         bwds.append(bwd)
+        recomputes.append(stage_recompute)
     return Split(tuple(bounds), tuple(fwds), tuple(bwds), tuple(sends), tuple(mems), tuple(grads),
-                 optimal=False, recompute=recompute)
+                 optimal=False, stage_recompute=tuple(recomputes))
 
 
 def equal_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
@@ -130,13 +144,15 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
     b = 0
     for s in range(S):
         in_flight = S - s
-        used = stage_input * in_flight if recompute else 0.0
+        plain, recomputed = 0.0, stage_input * in_flight     # a stage's memory kept each way so far
         start = b
         while b < N:
-            act = table.act_bytes[b] * micro_batch * (1 if recompute else in_flight)
-            if used + table.state_bytes[b] + act > table.capacity_bytes:
+            act = table.act_bytes[b] * micro_batch
+            next_plain = plain + table.state_bytes[b] + act * in_flight
+            next_recomputed = recomputed + table.state_bytes[b] + act
+            if min(next_plain, next_recomputed if recompute else next_plain) > table.capacity_bytes:
                 break
-            used += table.state_bytes[b] + act
+            plain, recomputed = next_plain, next_recomputed
             b += 1
         if b == start and b < N:
             return False
@@ -196,10 +212,12 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
     N = len(lanes[0].table.fwd_s)
     if S > N:
         return None
-    pre_t, cut_t, pre_state, pre_act, stage_input = [], [], [], [], []
+    pre_t, pre_t_rec, cut_t, pre_state, pre_act, stage_input = [], [], [], [], [], []
     for ln in lanes:
         t, m = ln.table, ln.micro_batch
-        block_t = np.array([block_time_s(t, b, m, ln.recompute) for b in range(N)]) * ln.scale
+        block_t = np.array([block_time_s(t, b, m, False) for b in range(N)]) * ln.scale
+        block_t_rec = np.array([block_time_s(t, b, m, True) for b in range(N)]) * ln.scale
+        pre_t_rec.append(np.concatenate([[0.0], np.cumsum(block_t_rec)]))
         # cut_t[s][b]: both transfers of the cut after stage s when block b ends that stage
         boundary = np.asarray(t.boundary_bytes, dtype=float) * m
         cut_t.append([2 * (lat + boundary / bw) * ln.scale for bw, lat in ln.links])
@@ -218,11 +236,16 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
             for li, ln in enumerate(lanes):
                 if stage_lanes is not None and stage_lanes[s] != li:
                     continue
-                lane_t = pre_t[li][j] - pre_t[li][starts] + (cut_t[li][s][j - 1] if s < S - 1 else 0.0)
-                t = np.maximum(t, lane_t)
+                cut = cut_t[li][s][j - 1] if s < S - 1 else 0.0
+                lane_t = pre_t[li][j] - pre_t[li][starts] + cut
                 act = pre_act[li][j] - pre_act[li][starts]
-                kept = act + stage_input[li] * in_flight if ln.recompute else act * in_flight
-                fits &= pre_state[li][j] - pre_state[li][starts] + kept <= ln.table.capacity_bytes
+                state = pre_state[li][j] - pre_state[li][starts]
+                lane_fits = state + act * in_flight <= ln.table.capacity_bytes
+                if ln.recompute:   # as costs_per_stage: recompute exactly where plain does not fit
+                    lane_t = np.where(lane_fits, lane_t, pre_t_rec[li][j] - pre_t_rec[li][starts] + cut)
+                    lane_fits |= state + act + stage_input[li] * in_flight <= ln.table.capacity_bytes
+                t = np.maximum(t, lane_t)
+                fits &= lane_fits
             prev = best[s - 1][starts] if s else np.zeros(1)
             cand = np.where(fits, np.maximum(prev, t), np.inf)
             # among equal bottlenecks the latest start: earlier stages take the blocks. Under 1F1B
