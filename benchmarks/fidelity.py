@@ -1,6 +1,10 @@
 """Does the cost model predict what the emitted program measures? (step time, peak memory, ranking)
 
     python benchmarks/fidelity.py [--steps 20] [--calibration FILE] [--only gpt,mlp] [--quick]
+    python benchmarks/fidelity.py --single-device [--device cpu|cuda] [--calibration FILE] [--quick]
+
+(`--single-device`: op and block times predicted against measured on one device; see
+benchmarks/single_device.py.)
 
 1. `plan profile --concurrency 4 --model ...` measures this machine (skipped with --calibration);
 2. every configuration (model x cluster x stage count x micro-batch) is planned with that calibration
@@ -285,7 +289,14 @@ def summarise(results: list[Result], checks: list[dict[str, object]]) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--single-device" in argv:
+        from benchmarks.single_device import main as single_device_main
+
+        return single_device_main([a for a in argv if a != "--single-device"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--single-device", action="store_true",
+                   help="op and block times on one device instead (benchmarks/single_device.py; its own options)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per run (first ones are warm-up)")
     p.add_argument("--calibration", type=Path, default=None, help="use this file instead of profiling now")
     p.add_argument("--only", default=",".join(MODELS), help="comma-separated models")
