@@ -13,11 +13,12 @@ from planner.search import ilp, pipeline
 from tests import synthetic as syn
 
 
-def simulated_s(fwd: list[float], bwd: list[float], send: list[float], micro_batches: int) -> float:
+def simulated_s(fwd: list[float], bwd: list[float], send: list[float], micro_batches: int,
+                schedule: str = "1f1b") -> float:
     S, M = len(fwd), micro_batches
     stages = tuple(StageWork(s, (fwd[s],) * M, (bwd[s],) * M, (send[s],) * M if s + 1 < S else (),
                              (send[s - 1],) * M if s > 0 else (), 0.0) for s in range(S))
-    return simulate(SimInput(S, M, (ReplicaWork(0, "1f1b", stages),), ())).pipeline_s
+    return simulate(SimInput(S, M, (ReplicaWork(0, schedule, stages),), ())).pipeline_s
 
 
 def random_pipeline(rng: random.Random, max_stages: int) -> tuple[list[float], list[float], list[float]]:

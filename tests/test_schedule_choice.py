@@ -6,22 +6,13 @@ import random
 
 import pytest
 
-from backends.sim.engine import simulate
-from backends.sim.inputs import ReplicaWork, SimInput, StageWork
 from planner.search import ilp, pipeline
 from planner.search.enumerate import solve_exact
 from planner.search.schedules import gpipe_max_micro_batches
 from tests import synthetic as syn
-from tests.test_pipeline_time import random_pipeline
+from tests.test_pipeline_time import random_pipeline, simulated_s
 
 GIB = syn.GIB
-
-
-def simulated_s(fwd: list[float], bwd: list[float], send: list[float], micro_batches: int, schedule: str) -> float:
-    S, M = len(fwd), micro_batches
-    stages = tuple(StageWork(s, (fwd[s],) * M, (bwd[s],) * M, (send[s],) * M if s + 1 < S else (),
-                             (send[s - 1],) * M if s > 0 else (), 0.0) for s in range(S))
-    return simulate(SimInput(S, M, (ReplicaWork(0, schedule, stages),), ())).pipeline_s
 
 
 @pytest.mark.parametrize("seed", range(3))
