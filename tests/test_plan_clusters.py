@@ -73,6 +73,8 @@ def test_plan_inspect_prints_the_summary(tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "estimated step" in shown and "cpu-fast" in shown
+    header = next(line for line in shown.splitlines() if line.startswith("rank"))
+    assert "schedule" in header and "recompute" in header    # the search's per-replica and per-stage choices
     assert shown.splitlines()[0] == printed.splitlines()[0]
     timings = json.loads((out / "solve.json").read_text())
     assert timings["total_s"] > 0

@@ -41,12 +41,12 @@ def summary(plan: Plan) -> str:
         for st in r.stages:
             rows.append([
                 str(st.rank), f"{r.index}/{st.index}", st.device_label, st.device_type, st.precision,
-                f"{st.first_block}-{st.last_block}", str(r.batch_share), "x".join(map(str, r.micro_batch_sizes[:1]))
-                + f" x{len(r.micro_batch_sizes)}",
+                f"{st.first_block}-{st.last_block}", "yes" if st.recompute else "no", str(r.batch_share),
+                "x".join(map(str, r.micro_batch_sizes[:1])) + f" x{len(r.micro_batch_sizes)}", r.schedule,
                 f"{e.memory_bytes[st.rank] / GIB:.2f}/{e.capacity_bytes[st.rank] / GIB:.1f}",
                 format_time(e.busy_s[st.rank])])
-    stages = _table(["rank", "rep/stage", "device", "type", "prec", "blocks", "share", "micro", "mem GiB",
-                     "busy"], rows)
+    stages = _table(["rank", "rep/stage", "device", "type", "prec", "blocks", "recompute", "share", "micro",
+                     "schedule", "mem GiB", "busy"], rows)
     groups = [[str(g.index), ",".join(map(str, g.ranks)) if len(g.ranks) <= 8 else f"{len(g.ranks)} ranks",
                str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, format_time(g.estimated_s)]
               for g in plan.grad_groups[:12]]
