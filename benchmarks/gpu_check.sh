@@ -12,25 +12,36 @@
 #                    models predicted (datasheet; calibrated by step 2 where it succeeded) vs measured
 #   4. plan, program plan examples/gpt on one GPU (benchmarks/clusters/gpu-1.yaml), with step 2's
 #                    calibration where there is one, emit, `plan run` it for STEPS steps: estimate vs measured
-# Everything goes under $OUT if set (the device machine's folder that comes back), else
-# benchmarks/results/ (--cpu-dry-run: a temporary folder); gpu_check.txt there is the summary table.
+# With $OUT set (the device machine's folder that comes back, at most 8 files), the steps write into a
+# temporary folder and $OUT receives two files: gpu_check.txt (the summary table) and gpu_check.tar.gz
+# (everything). Without it they write into benchmarks/results/ (--cpu-dry-run: a temporary folder).
+#
+# The device image lacks OR-Tools and reaches no registry: run benchmarks/gpu_wheels.sh here first and
+# carry .whl; this script installs what it finds there (pip --target, first on PYTHONPATH).
+#   device run: command "bash benchmarks/gpu_check.sh", carry [".whl"], timeout_s 600
 set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${1:-}" != "--cpu-dry-run" ] && compgen -G ".whl/*.whl" > /dev/null; then   # the device image's python
+    SITE="$(mktemp -d -t hetplan-site-XXXXXX)"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+        && export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
 
 DRY_RUN=0
 [ "${1:-}" = "--cpu-dry-run" ] && DRY_RUN=1
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=cpu; CLUSTER=benchmarks/clusters/cpu-1.yaml; MODELS=mlp; STEPS=6
     KERNEL_ARGS=(--sizes 4096 --repeats 2)
-    DEST="${OUT:-$(mktemp -d -t hetplan-gpu-check-XXXXXX)}"
+    DEST="$(mktemp -d -t hetplan-gpu-check-XXXXXX)"
 else
     DEVICE=cuda; CLUSTER=benchmarks/clusters/gpu-1.yaml; MODELS=gpt,mlp,resnet; STEPS=30
     KERNEL_ARGS=()
-    DEST="${OUT:-$REPO/benchmarks/results}"
+    DEST="$REPO/benchmarks/results"
 fi
+[ -n "${OUT:-}" ] && DEST="$(mktemp -d -t hetplan-gpu-check-XXXXXX)"   # bundled into $OUT at the end
 # seconds per step (the device session allows 10 minutes per command)
 KERNELS_TIMEOUT_S=90
 PROFILE_TIMEOUT_S=90
@@ -132,5 +143,11 @@ if plan and metrics_path.is_file():
               f"peak memory {max(m['peak_memory_bytes'] for m in metrics) / 2**20:.0f} MiB")
 EOF
 cat "$SUMMARY"
-echo "results in $DEST"
+if [ -n "${OUT:-}" ]; then   # two files back instead of a tree
+    cp "$SUMMARY" "$OUT/gpu_check.txt"
+    tar czf "$OUT/gpu_check.tar.gz" -C "$DEST" .
+    echo "results in $OUT/gpu_check.tar.gz"
+else
+    echo "results in $DEST"
+fi
 ! grep -qv "|ok|" "$STATUS"

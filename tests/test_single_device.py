@@ -150,3 +150,27 @@ def test_the_one_gpu_plan_of_the_gpu_check_plans_without_a_gpu(tmp_path):
     assert code == 0
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["world_size"] == 1 and plan["estimates"]["iteration_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_runs_its_steps_on_cpu_and_returns_two_files(tmp_path):
+    """`gpu_check.sh --cpu-dry-run` with $OUT set, as a device call runs it: every step ok, and $OUT
+    holds the summary and one archive (the device returns at most 8 files)."""
+    import os
+    import subprocess
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--cpu-dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "gpu_check.txt"]
+    summary = (out / "gpu_check.txt").read_text()
+    for step in ("kernels", "profile", "single-device", "plan", "program"):
+        assert any(line.split()[:2] == [step, "ok"] for line in summary.splitlines()), summary
+    assert "program gpt 1 device: estimate" in summary
+    with tarfile.open(out / "gpu_check.tar.gz") as archive:
+        names = set(archive.getnames())
+    assert {"./single_device_cpu.json", "./kernels_cpu.json", "./gpu_program_gpt/run/metrics.jsonl"} <= names
