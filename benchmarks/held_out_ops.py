@@ -13,32 +13,28 @@ from typing import Any
 
 import torch
 
-from costmodel.microbench import Case
+from costmodel.microbench import Case, rand
 
 aten = torch.ops.aten
 
 
-def _rand(*shape: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(True)
-
-
 def linear(rows: int, width: int) -> Case:
     def make(dev: torch.device, dt: torch.dtype) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        return _rand(rows, width, device=dev, dtype=dt), (_rand(width, width, device=dev, dtype=dt),
-                                                          _rand(width, device=dev, dtype=dt))
+        return rand(rows, width, device=dev, dtype=dt), (rand(width, width, device=dev, dtype=dt),
+                                                          rand(width, device=dev, dtype=dt))
     return Case("matmul", f"linear {rows}x{width}", aten.linear.default, make)
 
 
 def conv3x3(batch: int, channels: int, pixels: int) -> Case:
     def make(dev: torch.device, dt: torch.dtype) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        return (_rand(batch, channels, pixels, pixels, device=dev, dtype=dt),
-                (_rand(channels, channels, 3, 3, device=dev, dtype=dt), None, [1, 1], [1, 1]))
+        return (rand(batch, channels, pixels, pixels, device=dev, dtype=dt),
+                (rand(channels, channels, 3, 3, device=dev, dtype=dt), None, [1, 1], [1, 1]))
     return Case("conv", f"conv3x3 {batch}x{channels}ch {pixels}px", aten.conv2d.default, make)
 
 
 def sdpa(batch: int, heads: int, seq: int, head_dim: int) -> Case:
     def make(dev: torch.device, dt: torch.dtype) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        q, k, v = (_rand(batch, heads, seq, head_dim, device=dev, dtype=dt) for _ in range(3))
+        q, k, v = (rand(batch, heads, seq, head_dim, device=dev, dtype=dt) for _ in range(3))
         return q, (k, v)
     return Case("attention", f"sdpa {batch}x{heads}x{seq}x{head_dim} causal",
                 aten.scaled_dot_product_attention.default, make, (("is_causal", True),))
@@ -46,31 +42,31 @@ def sdpa(batch: int, heads: int, seq: int, head_dim: int) -> Case:
 
 def gelu(rows: int, width: int) -> Case:
     return Case("elementwise", f"gelu {rows}x{width}", aten.gelu.default,
-                lambda dev, dt: (_rand(rows, width, device=dev, dtype=dt), ()))
+                lambda dev, dt: (rand(rows, width, device=dev, dtype=dt), ()))
 
 
 def add(rows: int, width: int) -> Case:
     return Case("elementwise", f"add {rows}x{width}", aten.add.Tensor,
-                lambda dev, dt: (_rand(rows, width, device=dev, dtype=dt),
-                                 (_rand(rows, width, device=dev, dtype=dt),)))
+                lambda dev, dt: (rand(rows, width, device=dev, dtype=dt),
+                                 (rand(rows, width, device=dev, dtype=dt),)))
 
 
 def layer_norm(rows: int, width: int) -> Case:
     return Case("elementwise", f"layer_norm {rows}x{width}", aten.layer_norm.default,
-                lambda dev, dt: (_rand(rows, width, device=dev, dtype=dt),
-                                 ([width], _rand(width, device=dev, dtype=dt), _rand(width, device=dev, dtype=dt))))
+                lambda dev, dt: (rand(rows, width, device=dev, dtype=dt),
+                                 ([width], rand(width, device=dev, dtype=dt), rand(width, device=dev, dtype=dt))))
 
 
 def group_norm(batch: int, channels: int, pixels: int, groups: int) -> Case:
     def make(dev: torch.device, dt: torch.dtype) -> tuple[torch.Tensor, tuple[Any, ...]]:
-        return (_rand(batch, channels, pixels, pixels, device=dev, dtype=dt),
-                (groups, _rand(channels, device=dev, dtype=dt), _rand(channels, device=dev, dtype=dt)))
+        return (rand(batch, channels, pixels, pixels, device=dev, dtype=dt),
+                (groups, rand(channels, device=dev, dtype=dt), rand(channels, device=dev, dtype=dt)))
     return Case("elementwise", f"group_norm {batch}x{channels}x{pixels}x{pixels}", aten.group_norm.default, make)
 
 
 def transpose(side: int) -> Case:
     return Case("view", f"transpose {side}x{side}", aten.transpose.int,
-                lambda dev, dt: (_rand(side, side, device=dev, dtype=dt), (0, 1)))
+                lambda dev, dt: (rand(side, side, device=dev, dtype=dt), (0, 1)))
 
 
 def held_out_cases(device_kind: str, quick: bool) -> list[Case]:

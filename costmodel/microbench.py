@@ -65,7 +65,8 @@ class Case:
     kwargs: tuple[tuple[str, Any], ...] = ()
 
 
-def _rand(*shape: int, device: torch.device, dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
+def rand(*shape: int, device: torch.device, dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
+    """A random op input of `shape` (requiring grad by default), as the benchmark cases build them."""
     return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
 
 
@@ -76,39 +77,39 @@ def compute_cases(quick: bool) -> list[Case]:
     for d in ((128, 512) if quick else (64, 256, 512)):
         for n in rows:
             cases.append(Case("matmul", f"linear {n}x{d}", aten.linear.default,
-                              lambda dev, dt, n=n, d=d: (_rand(n, d, device=dev, dtype=dt),
-                                                         (_rand(d, d, device=dev, dtype=dt),
-                                                          _rand(d, device=dev, dtype=dt)))))
+                              lambda dev, dt, n=n, d=d: (rand(n, d, device=dev, dtype=dt),
+                                                         (rand(d, d, device=dev, dtype=dt),
+                                                          rand(d, device=dev, dtype=dt)))))
     for c, hw in (((16, 8), (32, 32)) if quick else ((8, 8), (16, 16), (32, 32), (16, 32))):
         cases.append(Case("conv", f"conv3x3 {c}ch {hw}px", aten.conv2d.default,
-                          lambda dev, dt, c=c, hw=hw: (_rand(2, c, hw, hw, device=dev, dtype=dt),
-                                                       (_rand(c, c, 3, 3, device=dev, dtype=dt), None, [1, 1],
+                          lambda dev, dt, c=c, hw=hw: (rand(2, c, hw, hw, device=dev, dtype=dt),
+                                                       (rand(c, c, 3, 3, device=dev, dtype=dt), None, [1, 1],
                                                         [1, 1]))))
     for b, s in (((1, 32), (8, 128)) if quick else ((1, 32), (4, 64), (8, 128))):
         cases.append(Case("attention", f"sdpa {b}x4x{s}x16", aten.scaled_dot_product_attention.default,
-                          lambda dev, dt, b=b, s=s: (_rand(b, 4, s, 16, device=dev, dtype=dt),
-                                                     (_rand(b, 4, s, 16, device=dev, dtype=dt),
-                                                      _rand(b, 4, s, 16, device=dev, dtype=dt))),
+                          lambda dev, dt, b=b, s=s: (rand(b, 4, s, 16, device=dev, dtype=dt),
+                                                     (rand(b, 4, s, 16, device=dev, dtype=dt),
+                                                      rand(b, 4, s, 16, device=dev, dtype=dt))),
                           (("is_causal", True),)))
     for n in ((8, 2048) if quick else (4, 256, 4096)):
         cases += [
             Case("elementwise", f"gelu {n}x128", aten.gelu.default,
-                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt), ())),
+                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt), ())),
             Case("elementwise", f"add {n}x128", aten.add.Tensor,
-                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt), (_rand(n, 128, device=dev, dtype=dt),))),
+                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt), (rand(n, 128, device=dev, dtype=dt),))),
             Case("elementwise", f"layer_norm {n}x128", aten.layer_norm.default,
-                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt),
-                                       ([128], _rand(128, device=dev, dtype=dt), _rand(128, device=dev, dtype=dt)))),
+                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt),
+                                       ([128], rand(128, device=dev, dtype=dt), rand(128, device=dev, dtype=dt)))),
             Case("elementwise", f"group_norm {n // 4}x16x8x8", aten.group_norm.default,
-                 lambda dev, dt, n=n: (_rand(max(n // 4, 1), 16, 8, 8, device=dev, dtype=dt),
-                                       (4, _rand(16, device=dev, dtype=dt), _rand(16, device=dev, dtype=dt)))),
+                 lambda dev, dt, n=n: (rand(max(n // 4, 1), 16, 8, 8, device=dev, dtype=dt),
+                                       (4, rand(16, device=dev, dtype=dt), rand(16, device=dev, dtype=dt)))),
             Case("elementwise", f"relu {n}x128", aten.relu.default,
-                 lambda dev, dt, n=n: (_rand(n, 128, device=dev, dtype=dt), ())),
+                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt), ())),
         ]
     cases.append(Case("view", "transpose", aten.transpose.int,
-                      lambda dev, dt: (_rand(16, 16, device=dev, dtype=dt), (0, 1))))
+                      lambda dev, dt: (rand(16, 16, device=dev, dtype=dt), (0, 1))))
     cases.append(Case("view", "view", aten.view.default,
-                      lambda dev, dt: (_rand(16, 16, device=dev, dtype=dt), ([16, 16],))))
+                      lambda dev, dt: (rand(16, 16, device=dev, dtype=dt), ([16, 16],))))
     return cases
 
 

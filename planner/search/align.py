@@ -103,8 +103,7 @@ def _rate(tables: CostTables, cls: int, bounds: Bounds, micro_options: list[int]
     slowest stage serves most samples per second, running the whole batch (at least S and at most
     RATE_MAX_MICRO micro-batches) under 1F1B (planner.search.pipeline): the fill and drain count,
     and where the slow stages sit."""
-    fitting = [(split, m) for m in micro_options for recompute in (False, True)
-               if (split := split_for(tables, cls, bounds, m, recompute)) is not None]
+    fitting = [(split, m) for m in micro_options if (split := split_for(tables, cls, bounds, m, True)) is not None]
     if not fitting:
         return 0.0
     split, m = max(fitting, key=lambda pair: pair[1] / pair[0].max_stage_s)
@@ -145,8 +144,7 @@ def class_splits(tables: CostTables, cls: int, num_stages: int, micro_options: l
     reference = own[(cls, micro_options[len(micro_options) // 2])]
     out = []
     for m in micro_options:
-        for bounds, recompute in ((shared, False), (shared, True), *(
-                [(reference.bounds, reference.recompute)] if reference else [])):
+        for bounds, recompute in ((shared, True), *([(reference.bounds, reference.recompute)] if reference else [])):
             split = split_for(tables, cls, bounds, m, recompute) if bounds else None
             if split is not None:
                 break

@@ -144,7 +144,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             for p in params:
                 holders.setdefault(p, []).append(rank)
             table = tables.classes[cfg.classes[s]]
-            recompute = s < len(cfg.split.stage_recompute) and cfg.split.stage_recompute[s]
+            recompute = cfg.split.stage_recompute[s]
             fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if recompute else 1)
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))

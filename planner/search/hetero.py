@@ -32,14 +32,15 @@ def portions(num_stages: int, first: int, second: int, tables: CostTables) -> li
                   and placeable(num_stages - k, b.per_node, b.num_devices))
 
 
-def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tuple[int, ...], micro_batch: int,
-                recompute: bool) -> Split | None:
-    """`bounds` with stage s on class stage_classes[s]; None when a stage does not fit its memory."""
+def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tuple[int, ...],
+                micro_batch: int) -> Split | None:
+    """`bounds` with stage s on class stage_classes[s], its stages recomputing where they must; None
+    when a stage does not fit its memory even so."""
     from planner.search.ilp import cut_links
 
     stage_tables = [tables.classes[ci] for ci in stage_classes]
     split = costs_per_stage(stage_tables, bounds, micro_batch, cut_links(tables, stage_classes),
-                            tables.grad_bytes, recompute)
+                            tables.grad_bytes, recompute=True)
     if any(mem > t.capacity_bytes for mem, t in zip(split.stage_memory_bytes, stage_tables)):
         return None
     return split
@@ -78,7 +79,7 @@ def _splits(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...
         return []
     out = []
     for m in micro_options:
-        split = mixed_split(tables, classes, bounds, m, True)
+        split = mixed_split(tables, classes, bounds, m)
         if split is not None:
             out.append((m, split))
     return out
@@ -86,12 +87,13 @@ def _splits(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...
 
 def _faster(tables: CostTables, candidates: list[list[tuple[int, Split]]]) -> list[tuple[int, Split]]:
     """Per micro-batch size, the candidate split that runs the batch fastest (align.split_rate)."""
-    best: dict[int, Split] = {}
+    best: dict[int, tuple[float, Split]] = {}
     for found in candidates:
         for m, split in found:
-            if m not in best or align.split_rate(tables, split, m) > align.split_rate(tables, best[m], m):
-                best[m] = split
-    return sorted(best.items())
+            rate = align.split_rate(tables, split, m)
+            if m not in best or rate > best[m][0]:
+                best[m] = (rate, split)
+    return [(m, split) for m, (_, split) in sorted(best.items())]
 
 
 def pairs(tables: CostTables) -> list[tuple[int, int]]:

@@ -41,7 +41,7 @@ def gpipe_max_micro_batches(tables: CostTables, config: Config) -> int:
     most = DEFAULT_MAX_MICRO
     for s, ci in enumerate(config.classes):
         table, blocks = tables.classes[ci], range(sp.bounds[s], sp.bounds[s + 1])
-        recompute = bool(sp.stage_recompute) and sp.stage_recompute[s]
+        recompute = sp.stage_recompute[s]
         fixed = sum(table.state_bytes[b] for b in blocks) + kept_activation_bytes(table, blocks, m, 0, recompute)
         each = kept_activation_bytes(table, blocks, m, 1, recompute) - kept_activation_bytes(
             table, blocks, m, 0, recompute)

@@ -36,7 +36,7 @@ class Split:
     stage_memory_bytes: tuple[float, ...]
     stage_grad_bytes: tuple[float, ...]
     optimal: bool
-    stage_recompute: tuple[bool, ...] = ()     # per stage (empty: none)
+    stage_recompute: tuple[bool, ...]          # per stage: it recomputes its forward in the backward
 
     @property
     def num_stages(self) -> int:
@@ -150,7 +150,7 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
             act = table.act_bytes[b] * micro_batch
             next_plain = plain + table.state_bytes[b] + act * in_flight
             next_recomputed = recomputed + table.state_bytes[b] + act
-            if min(next_plain, next_recomputed if recompute else next_plain) > table.capacity_bytes:
+            if (min(next_plain, next_recomputed) if recompute else next_plain) > table.capacity_bytes:
                 break
             plain, recomputed = next_plain, next_recomputed
             b += 1
