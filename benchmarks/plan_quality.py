@@ -2,6 +2,7 @@
 
     python benchmarks/plan_quality.py            # gpt, llama7b, resnet on every cluster
     python benchmarks/plan_quality.py --quick    # gpt and resnet, global batch 64
+    python benchmarks/plan_quality.py --plans-dir DIR   # also write every case's plan.json there
 
 Each model is traced once on meta tensors (llama7b with HETPLAN_SEQ_LEN=1024 unless set, to keep
 the trace short); each cluster in ../shared/clusters (else examples/clusters) is planned with
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HETPLAN_SEQ_LEN", "1024")   # read when examples/llama7b/model.py is imported
@@ -35,14 +37,19 @@ GLOBAL_BATCH = 64
 SAMPLES_PER_DEVICE = 1        # larger clusters get a larger batch: max(GLOBAL_BATCH, devices)
 
 
-def evaluate(model: common.TracedModel, spec: ClusterSpec, strategy: str, batch: int) -> dict[str, Any]:
-    """Plan with one strategy and simulate it; the error instead when it finds no plan."""
+def evaluate(model: common.TracedModel, spec: ClusterSpec, strategy: str, batch: int,
+             plan_path: Path | None = None) -> dict[str, Any]:
+    """Plan with one strategy and simulate it; the error instead when it finds no plan. With
+    `plan_path`, the plan is written there (to compare plans across versions byte for byte)."""
     t0 = time.perf_counter()
     try:
         plan, _ = common.plan_with(model, spec, PlanOptions(global_batch=batch, strategy=strategy))
     except PlanningError as exc:
         return {"strategy": strategy, "fits": False, "error": exc.one_line()}
     plan_s = time.perf_counter() - t0
+    if plan_path is not None:
+        plan_path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(plan_path)
     sim = simulate_plan(plan, spec)
     return {"strategy": strategy, "fits": True, "plan_s": plan_s,
             "estimated_iteration_s": plan.estimates.iteration_s, "simulated_iteration_s": sim.iteration_s,
@@ -75,6 +82,8 @@ def row(cluster: str, batch: int, results: dict[str, dict[str, Any]]) -> tuple[l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="gpt and resnet only, global batch 64")
+    parser.add_argument("--plans-dir", type=Path, default=None,
+                        help="write each case's plan.json as DIR/<model>/<cluster>/<strategy>.json")
     args = parser.parse_args()
     models = QUICK_MODELS if args.quick else MODELS
     clusters = [(path.stem, load_cluster(path)) for path in common.cluster_files()]
@@ -85,7 +94,9 @@ def main() -> None:
         rows, per_cluster = [], {}
         for cluster, spec in clusters:
             batch = GLOBAL_BATCH if args.quick else max(GLOBAL_BATCH, spec.num_devices * SAMPLES_PER_DEVICE)
-            results = {s: evaluate(model, spec, s, batch) for s in STRATEGIES}
+            folder = args.plans_dir / name / cluster if args.plans_dir else None
+            results = {s: evaluate(model, spec, s, batch, folder / f"{s}.json" if folder else None)
+                       for s in STRATEGIES}
             cells, summary = row(cluster, batch, results)
             rows.append(cells)
             per_cluster[cluster] = {"global_batch": batch, "results": results, **summary}
