@@ -15,15 +15,17 @@ if str(REPO) not in sys.path:   # runnable as `python benchmarks/<name>.py` from
     sys.path.insert(0, str(REPO))
 
 from costmodel.tables import CostTables, build_tables  # noqa: E402
-from passes.blocks import Block  # noqa: E402
 from passes.verify import verify_plan  # noqa: E402
 from planner import frontend  # noqa: E402
 from planner.api import DEFAULT_TRACE_BATCH, PlanOptions, trace_model_file  # noqa: E402
-from planner.errors import PlanningError  # noqa: E402
-from planner.ir import Plan, PlanInputs  # noqa: E402
+from planner.core.blocks import Block  # noqa: E402
+from planner.core.cluster import ClusterSpec  # noqa: E402
+from planner.core.errors import PlanningError  # noqa: E402
+from planner.core.ir import Plan, PlanInputs  # noqa: E402
 from planner.search import explain, ilp, strategies  # noqa: E402
 from planner.search.assemble import assemble  # noqa: E402
-from planner.spec import ClusterSpec  # noqa: E402
+from planner.search.configs import build_configs  # noqa: E402
+from planner.search.solver import SolverSettings  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 EXAMPLES = REPO / "examples"
@@ -68,7 +70,7 @@ def plan_with(model: TracedModel, spec: ClusterSpec, options: PlanOptions) -> tu
     tables = build_tables(model.blocks, spec, global_batch=options.global_batch, trace_batch=DEFAULT_TRACE_BATCH,
                           precision_policy=options.precision, memory_margin=options.memory_margin)
     plan = strategies.run(options.strategy, tables=tables, blocks=model.blocks, spec=spec,
-                          inputs=_inputs(model, spec, options), options=options)
+                          inputs=_inputs(model, spec, options), options=options.search_options())
     verify_plan(plan, spec)
     return plan, tables
 
@@ -81,11 +83,12 @@ def plan_ilp_phases(model: TracedModel, spec: ClusterSpec, options: PlanOptions)
     tables = build_tables(model.blocks, spec, global_batch=options.global_batch, trace_batch=DEFAULT_TRACE_BATCH,
                           precision_policy=options.precision, memory_margin=options.memory_margin)
     times["tables_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-    configs = ilp.build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
+    configs = build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
     if not configs:
         raise PlanningError(explain.nothing_fits(tables, options.stages), fix=explain.what_would_fit(tables))
     times["configs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-    solution = ilp.solve(tables, configs, options.time_limit_s, use_all_devices=options.use_all_devices)
+    solution = ilp.solve(tables, configs, SolverSettings(options.time_limit_s),
+                         use_all_devices=options.use_all_devices)
     if solution is None:
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
     times["solve_s"], t0 = time.perf_counter() - t0, time.perf_counter()

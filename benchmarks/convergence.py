@@ -93,7 +93,7 @@ def run_program(out: Path, steps: int, *, lr: float, optimizer: str = "adamw", s
 
 def train(compressor: str, steps: int, lr: float, optimizer: str, workdir: Path) -> RunResult:
     """Plan with `compressor` forced, train `steps` steps, summarise."""
-    from planner.ir import Plan
+    from planner.core.ir import Plan
 
     start = time.perf_counter()
     out = workdir / f"{optimizer}-{compressor}"

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:   # runnable as `python benchmarks/fidelity.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from costmodel.calibrate import OtherLoad, reference_work_s  # noqa: E402
+from planner.profile.calibrate import OtherLoad, reference_work_s  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 CLUSTERS = {"hetero": EXAMPLES / "clusters" / "cpu-hetero-4.yaml",

@@ -127,7 +127,7 @@ def peak_bandwidth(device: torch.device) -> tuple[str, float] | None:
     """(catalog name, datasheet bytes/s) of the CUDA device, matched by name and memory size."""
     if device.type != "cuda":
         return None
-    from planner.spec import load_catalog
+    from costmodel.catalog import load_catalog
 
     name = torch.cuda.get_device_name(device).upper()
     memory = torch.cuda.get_device_properties(device).total_memory

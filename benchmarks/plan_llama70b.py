@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from planner.api import PlanOptions, plan  # noqa: E402
-from planner.repeated import REPLICATED_KEY  # noqa: E402
+from planner.frontend.repeated import REPLICATED_KEY  # noqa: E402
 
 RSS_LIMIT_BYTES = 4 * 2**30
 

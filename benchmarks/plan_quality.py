@@ -26,9 +26,10 @@ import common  # noqa: E402
 
 from backends.sim import simulate_plan  # noqa: E402
 from planner.api import PlanOptions  # noqa: E402
-from planner.errors import PlanningError  # noqa: E402
+from planner.core.cluster import ClusterSpec  # noqa: E402
+from planner.core.errors import PlanningError  # noqa: E402
+from planner.frontend.cluster import load_cluster  # noqa: E402
 from planner.search.baselines import SOLVERS  # noqa: E402
-from planner.spec import ClusterSpec, load_cluster  # noqa: E402
 
 MODELS = ("gpt", "llama7b", "resnet")
 QUICK_MODELS = ("gpt", "resnet")

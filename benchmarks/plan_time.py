@@ -30,9 +30,9 @@ import common
 from passes.blocks import DEFAULT_MAX_BLOCKS
 from planner import frontend
 from planner.api import DEFAULT_TRACE_BATCH, PlanOptions, trace_model_file
-from planner.errors import PlanningError
-from planner.repeated import REPLICATED_KEY
-from planner.spec import load_cluster
+from planner.core.errors import PlanningError
+from planner.frontend.cluster import load_cluster
+from planner.frontend.repeated import REPLICATED_KEY
 
 SIZES = (32, 128, 1024, 4096)
 QUICK_SIZES = (32, 128, 1024)

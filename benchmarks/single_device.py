@@ -5,7 +5,7 @@
 
 Levels, each forward and backward:
 - op: held-out shapes of every op class (`held_out_ops`: shapes the profile did not fit on) and the
-  distinct aten calls of every example model's graph with their real shapes (`costmodel.blockbench`);
+  distinct aten calls of every example model's graph with their real shapes (`planner.profile.blockbench`);
   predicted as the plan charges an op: its time at the class's rate plus half its launch overhead in
   each phase (`planner.search.split.block_phases_s` splits a stage's overhead evenly);
 - block: every planner block of examples/{gpt,mlp,resnet} at a micro-batch size, run alone on real
@@ -57,18 +57,20 @@ from benchmarks.fidelity import (  # noqa: E402
 )
 from benchmarks.held_out_ops import held_out_cases  # noqa: E402
 from benchmarks.single_device_report import Row, summarise, summary_lines, table  # noqa: E402
-from costmodel import blockbench, compute  # noqa: E402
-from costmodel import microbench as mb  # noqa: E402
-from costmodel.calibrate import FULL_REPEATS, QUICK_REPEATS, OtherLoad, reference_work_s  # noqa: E402
-from costmodel.calibrate_worker import DTYPES, describe  # noqa: E402
+from costmodel import compute  # noqa: E402
 from costmodel.calibration import Calibration, CalibrationError, load_calibration, parse_calibration  # noqa: E402
-from costmodel.ops import OpCount  # noqa: E402
+from costmodel.catalog import load_catalog, load_links  # noqa: E402
 from costmodel.tables import build_tables  # noqa: E402
 from planner import frontend  # noqa: E402
 from planner.api import DEFAULT_TRACE_BATCH, trace_model_file  # noqa: E402
-from planner.errors import HetplanError  # noqa: E402
+from planner.core.blocks import OpCount  # noqa: E402
+from planner.core.cluster import ClusterSpec, DeviceType, NodeGroup  # noqa: E402
+from planner.core.errors import HetplanError  # noqa: E402
+from planner.profile import blockbench  # noqa: E402
+from planner.profile import microbench as mb  # noqa: E402
+from planner.profile.calibrate import FULL_REPEATS, QUICK_REPEATS, OtherLoad, reference_work_s  # noqa: E402
+from planner.profile.calibrate_worker import DTYPES, describe  # noqa: E402
 from planner.search.split import block_phases_s  # noqa: E402
-from planner.spec import ClusterSpec, DeviceType, NodeGroup, load_catalog, load_links  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 EXAMPLES = REPO / "examples"
@@ -216,7 +218,7 @@ def op_rates_only(path: Path) -> Calibration:
 def profile_now(device_kind: str, quick: bool, out: Path, quiet_wait_s: float) -> Path:
     """`plan profile` (one computing process, no model) into `out`, once the host is quiet; repeated (up to
     `ATTEMPTS` times, not with `quick`) while the host's speed moved during it, as benchmarks/fidelity.py."""
-    from costmodel.calibrate import profile, write_calibration
+    from planner.profile.calibrate import profile, write_calibration
 
     for attempt in range(1, ATTEMPTS + 1):
         if quiet_wait_s > 0:
@@ -330,7 +332,8 @@ def run(argv: list[str]) -> int:
     rows = combine_passes([p.rows for p in passes])
     host = {"passes": [p.host for p in passes],
             "what": "per pass: load average before; other processes' cores while measuring; reference work time "
-                    "(costmodel.calibrate.reference_work_s) before the held-out ops, before each model and at the "
+                    "(planner.profile.calibrate.reference_work_s) before the held-out ops, before each model and at "
+                    "the "
                     "end / in the profile"}
     summary = summarise(rows)
     print(table(rows))

@@ -1,11 +1,11 @@
-"""CP-SAT settings of the planner's model: its defaults against the project's (planner.search.ilp).
+"""CP-SAT settings of the planner's model: its defaults against the project's (planner.search.solver).
 
     python benchmarks/solver_settings.py            # plan_quality's cases + Llama-70B on 1024 GPUs
     python benchmarks/solver_settings.py --quick    # gpt and resnet only
 
 Every case (model x cluster at plan_quality's global batch, and plan_time's 1024-GPU Llama-70B) is
 solved twice in this process, once with CP-SAT's presolve rounds and probing level and once with the
-project's (`ilp.PRESOLVE_ITERATIONS`, `ilp.PROBING_LEVEL`), alternating per case so that changes of the
+project's (`solver.PRESOLVE_ITERATIONS`, `solver.PROBING_LEVEL`), alternating per case so that changes of the
 machine's speed hit both alike. Both must reach the same objective with the same status: the settings
 may change how fast the optimum is proven, never which one it is. Prints the table and writes
 benchmarks/results/solver_settings.json.
@@ -28,21 +28,22 @@ import plan_time  # noqa: E402
 
 from costmodel.tables import CostTables, build_tables  # noqa: E402
 from planner.api import DEFAULT_TRACE_BATCH  # noqa: E402
-from planner.search import ilp  # noqa: E402
-from planner.spec import load_cluster  # noqa: E402
+from planner.frontend.cluster import load_cluster  # noqa: E402
+from planner.search import ilp, solver  # noqa: E402
+from planner.search.configs import build_configs  # noqa: E402, solver
 
 MODELS = ("gpt", "llama7b", "resnet")
 QUICK_MODELS = ("gpt", "resnet")
-SETTINGS = {"cp-sat defaults": (3, 2), "project": (ilp.PRESOLVE_ITERATIONS, ilp.PROBING_LEVEL)}
+SETTINGS = {"cp-sat defaults": (3, 2), "project": (solver.PRESOLVE_ITERATIONS, solver.PROBING_LEVEL)}
 LARGE_GPUS = 1024
 
 
 def solve_timed(tables: CostTables, presolve_iterations: int, probing_level: int) -> dict[str, Any]:
     """Configurations and the CP-SAT solve (both regimes) under the given settings: seconds, objective, status."""
-    ilp.PRESOLVE_ITERATIONS, ilp.PROBING_LEVEL = presolve_iterations, probing_level
-    configs = ilp.build_configs(tables)
+    settings = solver.SolverSettings(presolve_iterations=presolve_iterations, probing_level=probing_level)
+    configs = build_configs(tables)
     start = time.perf_counter()
-    found = ilp.solve(tables, configs) if configs else None
+    found = ilp.solve(tables, configs, settings) if configs else None
     return {"solve_s": time.perf_counter() - start, "objective_s": found.objective_s if found else None,
             "status": found.status if found else "no plan"}
 
@@ -71,7 +72,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="gpt and resnet only, no Llama-70B")
     args = parser.parse_args()
-    project = SETTINGS["project"]
     rows, records, mismatches = [], [], 0
     for label, tables in cases(QUICK_MODELS if args.quick else MODELS, not args.quick):
         results = {name: solve_timed(tables, *values) for name, values in SETTINGS.items()}
@@ -82,7 +82,6 @@ def main() -> int:
                      f"{default['solve_s'] / max(tuned['solve_s'], 1e-9):.1f}x", tuned["status"],
                      "yes" if same else "NO"])
         records.append({"case": label, "same_objective": same, **results})
-    ilp.PRESOLVE_ITERATIONS, ilp.PROBING_LEVEL = project
     print(common.table(["case", "defaults s", "project s", "speed-up", "status", "same optimum"], rows))
     totals = {name: sum(r[name]["solve_s"] for r in records) for name in SETTINGS}
     print(f"\ntotal: CP-SAT defaults {totals['cp-sat defaults']:.1f} s, project {totals['project']:.1f} s; "

@@ -32,9 +32,10 @@ if str(REPO) not in sys.path:
 
 from backends.torchdist.gradsync import group_payload_bytes  # noqa: E402
 from benchmarks.convergence import MODEL, plan_program, run_program, table  # noqa: E402
+from costmodel import activation_compression as activation_costs  # noqa: E402
 from costmodel import compression as costs  # noqa: E402
 from planner import frontend  # noqa: E402
-from planner.ir import Plan  # noqa: E402
+from planner.core.ir import Plan  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 STEPS = costs.POWERSGD_START_ITER + 2
@@ -69,7 +70,7 @@ def measure(grad: str, act: str, stages: int, workdir: Path,
     for e in plan.p2p:
         micro = plan.replicas[e.replica].micro_batch_sizes
         element_bytes = costs.FP32_BYTES   # CPU stages compute in fp32
-        model = sum(costs.activation_wire_bytes(e.compressor, e.bytes_per_sample * m, element_bytes)
+        model = sum(activation_costs.activation_wire_bytes(e.compressor, e.bytes_per_sample * m, element_bytes)
                     for m in micro)
         uncompressed = sum(e.bytes_per_sample * m for m in micro)
         for rank, direction in ((e.src_rank, "activations"), (e.dst_rank, "gradients")):

@@ -10,8 +10,8 @@ node groups). They say nothing about NVLink or a real network, so GPU calibratio
 from __future__ import annotations
 
 from costmodel.calibration import Calibration, ModelTiming, model_key
-from passes.blocks import Block
-from planner.spec import ClusterSpec, DeviceType, Link
+from planner.core.blocks import Block
+from planner.core.cluster import ClusterSpec, DeviceType, Link
 
 HOST_LOCAL_NETWORK = "loopback"
 

@@ -34,10 +34,8 @@ pass by pass in the `_*_BYTES` constants) + its kernel launches x the device's p
 reference (every method shares the flattening into buckets). State: error feedback is one fp32
 copy of the gradient per error buffer.
 
-Activation compressors on pipeline links (backends.torchdist.activations): `fp16`/`bf16` casts
-(only where activations are wider than 2 bytes) and block-wise `int8` (one fp32 scale per
-INT8_BLOCK_ELEMS elements); both the forward activations and the backward gradients are sent
-compressed.
+Activation compressors on pipeline links are costed in costmodel.activation_compression (the
+sizes they share, e.g. INT8_BLOCK_ELEMS, are defined here).
 
 The search sees these figures as part of the costed problem: `CompressedCostTables` extends
 `costmodel.tables.CostTables` with a `CompressionTable` (policies, parameter shapes per block,
@@ -53,7 +51,7 @@ from dataclasses import dataclass, field, fields
 from costmodel import constants as C
 from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
-from planner.spec import DeviceType, Link
+from planner.core.cluster import DeviceType, Link
 
 Shape = tuple[int, ...]
 
@@ -104,14 +102,11 @@ _POWERSGD_BYTES = (12 + 8                      # add error feedback (r, r, w), c
 _ONEBIT_BYTES = (12 + 8 + 4                    # worker: add error, sign pack (+ error), unpack out
                  + 12 + 8 + 4                  # server: the same on the average
                  + 8)                          # copy the result into the bucket
-_ACTIVATION_KERNEL_BYTES = {"none": 0, "fp16": (4 + 2) + (2 + 4), "bf16": (4 + 2) + (2 + 4),
-                            "int8": (4 + 1) + (1 + 4)}   # encode on the sender + decode on the receiver
 # Kernel launches (ops) per bucket, counted in backends.compression / backends.torchdist.activations:
 _CAST_LAUNCHES = 3                  # cast, divide, cast back
 _POWERSGD_BUCKET_LAUNCHES = 6       # add error, clone, cat uncompressed, copy back, new error, divide
 _POWERSGD_MATRIX_LAUNCHES = 5       # per compressed matrix: M Q, orthogonalise, M^T P, P Q^T, divide
 _ONEBIT_LAUNCHES = 10               # worker and server: add + norm, sqrt, pack, unpack; cat, copy
-_ACTIVATION_LAUNCHES = {"none": 0, "fp16": 2, "bf16": 2, "int8": 4}   # sender + receiver
 
 
 def gradient_options(policy: str) -> tuple[str, ...]:
@@ -121,15 +116,6 @@ def gradient_options(policy: str) -> tuple[str, ...]:
     if policy in GRADIENT_COMPRESSORS:
         return (policy,)
     raise ValueError(f"unknown gradient compression {policy!r}; known: {', '.join(GRADIENT_POLICIES)}")
-
-
-def activation_options(policy: str) -> tuple[str, ...]:
-    """Compressors an activation policy allows: `auto` all of them, a name only itself."""
-    if policy == AUTO:
-        return ACTIVATION_COMPRESSORS
-    if policy in ACTIVATION_COMPRESSORS:
-        return (policy,)
-    raise ValueError(f"unknown activation compression {policy!r}; known: {', '.join(ACTIVATION_POLICIES)}")
 
 
 def kernel_bandwidth_bytes_s(device: DeviceType) -> float:
@@ -296,49 +282,6 @@ def best_gradient(options: Sequence[CompressedVolume], ranks: int, link: Link, b
             return c.time_s
         return ONEBIT_ADAM_WARMUP_FRACTION * exact.time_s + (1 - ONEBIT_ADAM_WARMUP_FRACTION) * c.time_s
     return min(costs, key=ranked)
-
-
-# ----------------------------------------------------------------------------- activations
-
-@dataclass(frozen=True)
-class ActivationCost:
-    """One compressor on one pipeline edge, per micro-batch, forward and backward together."""
-
-    name: str
-    wire_bytes: float         # one direction
-    time_s: float             # both directions: link time + encode/decode kernels
-
-
-def activation_wire_bytes(name: str, nbytes: float, element_bytes: int) -> float:
-    """Bytes on the wire for `nbytes` of activations of `element_bytes`-byte elements."""
-    n = nbytes / element_bytes
-    if name in ("fp16", "bf16") and element_bytes > HALF_BYTES:
-        return n * HALF_BYTES
-    if name == "int8" and element_bytes > INT8_BYTES:
-        return n * INT8_BYTES + math.ceil(n / INT8_BLOCK_ELEMS) * SCALE_BYTES
-    return nbytes
-
-
-def activation_applies(name: str, element_bytes: int) -> bool:
-    """Casts apply to activations wider than 2 bytes; int8 to any wider than 1 byte."""
-    if name in ("fp16", "bf16"):
-        return element_bytes > HALF_BYTES
-    if name == "int8":
-        return element_bytes > INT8_BYTES
-    return True
-
-
-def choose_activation(policy: str, nbytes: float, element_bytes: int, link: Link,
-                      bandwidth_bytes_s: float, launch_s: float = 0.0) -> ActivationCost:
-    """The fastest compressor the policy allows for `nbytes` per micro-batch on `link`."""
-    names = [n for n in activation_options(policy) if activation_applies(n, element_bytes)] or ["none"]
-    costs = []
-    for name in names:
-        wire = activation_wire_bytes(name, nbytes, element_bytes)
-        kernel = _ACTIVATION_KERNEL_BYTES[name] * nbytes / element_bytes / bandwidth_bytes_s \
-            + _ACTIVATION_LAUNCHES[name] * launch_s
-        costs.append(ActivationCost(name, wire, 2 * (link.transfer_s(wire) + kernel)))
-    return min(costs, key=lambda c: c.time_s)
 
 
 # ----------------------------------------------------------------------------- tables

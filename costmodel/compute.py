@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from costmodel import constants as C
 from costmodel.calibration import Calibration
-from costmodel.ops import OpCount
-from planner.spec import DeviceType
+from planner.core.blocks import OpCount
+from planner.core.cluster import DeviceType
 
 
 def _is_cpu(device: DeviceType) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from costmodel import constants as C
 from costmodel.calibration import Calibration
 from costmodel.compute import _is_cpu
-from planner.spec import DeviceType
+from planner.core.cluster import DeviceType
 
 
 def state_bytes(param_bytes_fp32: float, precision: str) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.spec import Link
+from planner.core.cluster import Link
 
 
 def p2p_s(nbytes: float, link: Link) -> float:

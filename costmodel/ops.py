@@ -5,12 +5,13 @@ graph, not from a fixed multiple), cached per (op, shapes, dtypes, constant args
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
+
+from planner.core.blocks import OpCount
 
 VIEW_OPS = {
     "view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "expand",
@@ -21,17 +22,6 @@ MATMUL_OPS = {"linear", "mm", "bmm", "addmm", "matmul", "baddbmm", "einsum"}
 CONV_OPS = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution"}
 ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_attention_math"}
-
-
-@dataclass(frozen=True)
-class OpCount:
-    """What one node costs, independent of the device."""
-
-    op_class: str            # matmul | conv | attention | elementwise | view | other
-    fwd_flops: float
-    bwd_flops: float
-    fwd_bytes: float         # bytes read + written by the forward op
-    out_bytes: float         # bytes of the op's output (what a stage boundary would carry)
 
 
 def op_name(target: Any) -> str:

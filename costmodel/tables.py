@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from costmodel import calibrated, compute, memory
 from costmodel import constants as C
 from costmodel.calibration import Calibration
-from passes.blocks import Block
-from planner.spec import ClusterSpec, Link
+from planner.core.blocks import Block
+from planner.core.cluster import ClusterSpec, Link
 
 
 @dataclass(frozen=True)

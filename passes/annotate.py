@@ -12,9 +12,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from costmodel.ops import OpCount, OpCounter, tensor_bytes
+from costmodel.ops import OpCounter, tensor_bytes
 from passes.base import Pass, PassResult
-from planner.errors import PassError
+from planner.core.blocks import OpCount
+from planner.core.errors import PassError
 
 COST_KEY = "hetplan.cost"
 PARAM_BYTES_KEY = "hetplan.param_bytes"

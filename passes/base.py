@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from planner.errors import HetplanError, PassError
+from planner.core.errors import HetplanError, PassError
 
 
 @dataclass

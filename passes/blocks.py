@@ -12,50 +12,17 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass
 
 import torch.fx as fx
 
-from costmodel.ops import OpCount
 from passes.annotate import COST_KEY, PARAM_BYTES_KEY
 from passes.base import Pass, PassResult
-from planner.errors import PassError
+from planner.core.blocks import Block
+from planner.core.errors import PassError
 
 BLOCKS_KEY = "hetplan.blocks"
 BLOCK_INDEX_KEY = "hetplan.block"
 DEFAULT_MAX_BLOCKS = 96
-
-
-@dataclass(frozen=True)
-class Block:
-    """A contiguous run of compute nodes; the unit the search assigns to stages."""
-
-    index: int
-    first_node: str
-    last_node: str
-    label: str                       # the module path most of its nodes come from
-    ops: tuple[OpCount, ...]
-    params: tuple[str, ...]          # trainable parameters (get_attr targets) the block reads
-    param_sizes: tuple[float, ...]   # bytes of each of those parameters
-    boundary_bytes: float            # activations live after the block (what a cut here sends)
-    signature: str                   # equal for structurally identical blocks
-
-    @property
-    def param_bytes(self) -> float:
-        return sum(self.param_sizes)
-
-    @property
-    def fwd_flops(self) -> float:
-        return sum(o.fwd_flops for o in self.ops)
-
-    @property
-    def bwd_flops(self) -> float:
-        return sum(o.bwd_flops for o in self.ops)
-
-    @property
-    def activation_bytes(self) -> float:
-        """Bytes kept for backward: outputs of non-view ops (an upper estimate)."""
-        return sum(o.out_bytes for o in self.ops if o.op_class != "view")
 
 
 def compute_nodes(graph: fx.Graph) -> list[fx.Node]:

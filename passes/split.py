@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.blocks import compute_nodes
-from planner.errors import PassError
+from planner.core.errors import PassError
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planner import schedule as sched
-from planner.errors import PassError, PlanningError
-from planner.ir import Plan
-from planner.spec import ClusterSpec
+from planner.core import schedule as sched
+from planner.core.cluster import ClusterSpec
+from planner.core.errors import PassError, PlanningError
+from planner.core.ir import Plan
 
 
 def verify_plan(plan: Plan, spec: ClusterSpec | None = None) -> None:

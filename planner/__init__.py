@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name == "Plan":
-        from planner.ir import Plan
+        from planner.core.ir import Plan
 
         return Plan
     raise AttributeError(name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,43 +18,18 @@ from costmodel.calibration import load_calibration
 from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
-from passes.blocks import BLOCKS_KEY, Block, Blocks
+from passes.blocks import BLOCKS_KEY, Blocks
 from passes.verify import verify_plan
-from planner import frontend, schedule
-from planner.errors import HetplanError, PlanningError
-from planner.ir import Plan, PlanInputs
-from planner.search import baselines, runners_up, strategies
-from planner.spec import ClusterSpec, load_cluster
+from planner import frontend, runners_up
+from planner.core.blocks import Block
+from planner.core.cluster import ClusterSpec
+from planner.core.errors import HetplanError, PlanningError
+from planner.core.ir import Plan, PlanInputs
+from planner.frontend.cluster import load_cluster
+from planner.options import PlanOptions, RunControls, check_options
+from planner.search import baselines, strategies
 
 DEFAULT_TRACE_BATCH = 2
-
-
-@dataclass
-class PlanOptions:
-    """Everything the user can set; recorded in the plan's inputs."""
-
-    global_batch: int = 64
-    strategy: str = "ilp"
-    precision: str = "auto"            # fp32 | auto | bf16 | fp16
-    stages: int | None = None          # force the pipeline depth of every replica
-    use_all_devices: bool = False      # every device must serve a stage
-    micro_batch: int | None = None     # force the micro-batch size
-    memory_margin: float = 0.1
-    schedule: str = "auto"             # auto (the search chooses per replica) | 1f1b | gpipe
-    compression: str = "none"              # gradients: none | auto | fp16 | bf16 | powersgd | onebit
-    activation_compression: str = "none"   # pipeline links: none | auto | fp16 | bf16 | int8
-    time_limit_s: float = 10.0         # solver work limit (CP-SAT deterministic seconds)
-    max_blocks: int = 96
-    calibration: str | None = None     # `plan profile` file: measured figures replace datasheet ones
-    runners_up: bool = True            # also plan the baselines and simulate all, for `plan inspect`
-    objective: str = "time"            # time per iteration | cost per sample (needs prices in the spec)
-    optimizer: str = "adamw"           # the program's default optimizer: adamw | sgd
-    names: dict[str, str] = field(default_factory=dict)
-
-    def as_pairs(self) -> tuple[tuple[str, str], ...]:
-        items = {k: v for k, v in vars(self).items() if k != "names"}
-        items.update({f"name.{k}": v for k, v in self.names.items()})
-        return tuple(sorted((k, str(v)) for k, v in items.items()))
 
 
 @dataclass
@@ -83,18 +58,6 @@ def trace_model_file(model_file: frontend.ModelFile, trace_batch: int = DEFAULT_
     return gm, gm.meta[BLOCKS_KEY], meta_inputs
 
 
-def _check_choices(options: PlanOptions) -> None:
-    for value, known, flag in ((options.compression, compression.GRADIENT_POLICIES, "--compression"),
-                               (options.activation_compression, compression.ACTIVATION_POLICIES,
-                                "--activation-compression")):
-        if value not in known:
-            raise PlanningError(f"unknown compression `{value}`", field=flag,
-                                fix=f"use one of: {', '.join(known)}")
-    if options.schedule not in schedule.CHOICES:
-        raise PlanningError(f"unknown schedule `{options.schedule}`", field="--schedule",
-                            fix=f"use one of: {', '.join(schedule.CHOICES)}")
-
-
 def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block],
                        spec: ClusterSpec) -> compression.CompressionTable:
     """The compression policies and what the cost model needs for them (parameter shapes)."""
@@ -107,8 +70,8 @@ def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Bl
         kernel_launch_s=tuple(compute.op_overhead_s(g.device) for g in spec.nodes), optimizer=options.optimizer)
 
 
-def _baselines(options: PlanOptions, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
-               inputs: PlanInputs) -> list[tuple[str, Plan]]:
+def _baselines(options: PlanOptions, controls: RunControls, tables: CostTables, blocks: list[Block],
+               spec: ClusterSpec, inputs: PlanInputs) -> list[tuple[str, Plan]]:
     """Every baseline strategy's plan that fits (for the runners-up), unless one was asked for."""
     if options.strategy in baselines.SOLVERS:
         return []
@@ -116,19 +79,19 @@ def _baselines(options: PlanOptions, tables: CostTables, blocks: list[Block], sp
     for name in baselines.SOLVERS:
         try:
             out.append((name, baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs,
-                                            options=options)))
+                                            options=options.search_options(controls))))
         except PlanningError:
             continue
     return out
 
 
-def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOptions | None = None) -> PlanResult:
-    """Plan training of the model in file `model` on `cluster`. Raises HetplanError subclasses."""
+def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOptions | None = None,
+         controls: RunControls | None = None) -> PlanResult:
+    """Plan training of the model in file `model` on `cluster`; `controls` say how (time limits, what to
+    dump for a person to read), never what. Raises HetplanError subclasses."""
     options = options or PlanOptions()
-    if options.global_batch < 1:
-        raise PlanningError(f"global batch {options.global_batch} must be at least 1", field="--global-batch",
-                            fix="pass a positive --global-batch")
-    _check_choices(options)
+    controls = controls or RunControls()
+    check_options(options)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
@@ -157,16 +120,17 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
 
     t0 = time.perf_counter()
     result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
-                                                            spec=spec, inputs=inputs, options=options)
+                                                            spec=spec, inputs=inputs,
+                                                            options=options.search_options(controls))
     timings["search_s"] = time.perf_counter() - t0
     verify_plan(result, spec)
     if options.runners_up:
         t0 = time.perf_counter()
-        result = runners_up.with_runners_up(result, alternatives + _baselines(options, tables, blocks, spec, inputs),
-                                            spec)
+        others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
+        result = runners_up.with_runners_up(result, others, spec)
         timings["runners_up_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - start
     return PlanResult(result, gm, blocks, tables, timings, model_file, spec)
 
 
-__all__ = ["plan", "PlanOptions", "PlanResult", "HetplanError"]
+__all__ = ["plan", "PlanOptions", "PlanResult", "RunControls", "HetplanError"]

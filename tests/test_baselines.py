@@ -7,8 +7,9 @@ import pytest
 from backends.sim import simulate_plan
 from passes.verify import verify_plan
 from planner.api import PlanOptions, plan
-from planner.errors import PlanningError
+from planner.core.errors import PlanningError
 from planner.search import baselines, ilp
+from planner.search.configs import build_configs
 from planner.search.strategies import STRATEGIES
 from tests import synthetic as syn
 from tests.helpers import CLUSTERS, EXAMPLES
@@ -91,6 +92,6 @@ def test_baseline_estimate_uses_the_ilp_formulas():
     t = syn.table("x", 1.0, blocks=4, devices=4, per_node=4)
     tabs = syn.tables([t], 8)
     sol = baselines.megatron_solution(tabs, PlanOptions(global_batch=8))
-    best_ilp = ilp.solve(tabs, ilp.build_configs(tabs))
+    best_ilp = ilp.solve(tabs, build_configs(tabs))
     assert sol.objective_s >= best_ilp.objective_s - 1e-9
     assert sum(c.replicas * c.share for c in sol.choices) == 8

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from costmodel.calibrate import fit_line, fit_nonneg
 from costmodel.calibration import SCHEMA_VERSION, CalibrationError, load_calibration, model_key, parse_calibration
 from costmodel.tables import build_tables
 from planner import frontend
 from planner.api import DEFAULT_TRACE_BATCH, trace_model_file
 from planner.cli import main
-from planner.spec import load_cluster
+from planner.frontend.cluster import load_cluster
+from planner.profile.calibrate import fit_line, fit_nonneg
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli
 
 QUICK_PROFILE_LIMIT_S = 30.0
@@ -155,7 +155,7 @@ def test_one_process_alone_gets_a_whole_core_or_less():
     itself, more only when other processes share it."""
     import torch
 
-    from costmodel.microbench import measure_contention
+    from planner.profile.microbench import measure_contention
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

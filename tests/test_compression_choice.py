@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from costmodel import compression as c
-from planner.spec import Link
+from planner.core.cluster import Link
 
 VECTOR = c.GradVolume(4 * (1 << 24), ((1 << 24,),))     # a 16M-element vector: PowerSGD does not apply
 FAST_LINK = Link("ib", 400e9 / 8, 2e-5)

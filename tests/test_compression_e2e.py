@@ -17,11 +17,12 @@ import torch
 
 from backends.torchdist.gradsync import group_payload_bytes
 from backends.torchdist.reference import train_reference
+from costmodel import activation_compression as activation_costs
 from costmodel import compression as costs
 from planner import frontend
 from planner.api import PlanOptions, plan
-from planner.ir import Plan
-from planner.spec import Link
+from planner.core.cluster import Link
+from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli, run_program
 
 GPT = EXAMPLES / "gpt" / "model.py"
@@ -114,7 +115,7 @@ def test_two_stages_onebit_gradients_and_int8_activations(tmp_path, monkeypatch)
     _replicas_agree(out, plan_)
     for edge in plan_.p2p:   # activations forward from src, their gradients back from dst: int8 both ways
         micro = plan_.replicas[edge.replica].micro_batch_sizes
-        expected = sum(costs.activation_wire_bytes("int8", edge.bytes_per_sample * m, costs.FP32_BYTES)
+        expected = sum(activation_costs.activation_wire_bytes("int8", edge.bytes_per_sample * m, costs.FP32_BYTES)
                        for m in micro)
         for rank in (edge.src_rank, edge.dst_rank):
             sent = {m["p2p_bytes"] for m in metrics if m["rank"] == rank}
@@ -168,7 +169,7 @@ def test_buckets_and_activation_choices():
     assert costs.bucket_ranges([3, 3, 3, 10, 1], cap_elems=6) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert costs.bucket_ranges([], cap_elems=6) == []
     # casts do not apply to 2-byte activations; int8 does
-    assert costs.choose_activation("fp16", 1e6, 2, TCP_10G, A100_BANDWIDTH, LAUNCH_S).name == "none"
-    assert costs.choose_activation("int8", 1e6, 2, TCP_10G, A100_BANDWIDTH, LAUNCH_S).name == "int8"
-    assert costs.activation_wire_bytes("int8", 4.0 * 512, 4) == 512 + 2 * 4
-    assert costs.choose_activation("auto", 1e6, 4, NVLINK, A100_BANDWIDTH, LAUNCH_S).name == "none"
+    assert activation_costs.choose_activation("fp16", 1e6, 2, TCP_10G, A100_BANDWIDTH, LAUNCH_S).name == "none"
+    assert activation_costs.choose_activation("int8", 1e6, 2, TCP_10G, A100_BANDWIDTH, LAUNCH_S).name == "int8"
+    assert activation_costs.activation_wire_bytes("int8", 4.0 * 512, 4) == 512 + 2 * 4
+    assert activation_costs.choose_activation("auto", 1e6, 4, NVLINK, A100_BANDWIDTH, LAUNCH_S).name == "none"

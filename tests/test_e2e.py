@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backends.torchdist.reference import train_reference
-from planner.ir import Plan
+from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli, run_program
 
 STEPS = 10

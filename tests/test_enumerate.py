@@ -9,10 +9,12 @@ import pytest
 
 from costmodel.tables import CostTables
 from planner.api import PlanOptions, plan
-from planner.search import align, ilp
+from planner.core.cluster import Link
+from planner.search import align, candidates, ilp
+from planner.search.configs import build_configs, overlap_of
 from planner.search.enumerate import all_items, solve_exact, to_ns
+from planner.search.solver import SolverSettings
 from planner.search.sync import split_sync_s
-from planner.spec import Link
 from tests import synthetic as syn
 from tests.helpers import CLUSTERS, EXAMPLES
 
@@ -47,7 +49,7 @@ def instance(seed: int) -> CostTables:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_ilp_matches_exact_enumeration(seed):
     tabs = instance(seed)
-    configs = ilp.build_configs(tabs)
+    configs = build_configs(tabs)
     exact = solve_exact(tabs, configs) if configs else None
     sol = ilp.solve(tabs, configs) if configs else None
     assert (exact is None) == (sol is None)
@@ -59,16 +61,16 @@ def test_ilp_matches_exact_enumeration(seed):
 
 
 def test_enough_instances_are_feasible():
-    feasible = sum(1 for seed in SEEDS if ilp.build_configs(instance(seed)))
+    feasible = sum(1 for seed in SEEDS if build_configs(instance(seed)))
     assert feasible >= MIN_FEASIBLE
 
 
 # Seeds 0 and 20 caught CP-SAT 9.15's presolve certifying a wrong optimum (google/or-tools#5293);
-# ilp._solve_regime turns that presolve step off.
+# ilp.solve_regime turns that presolve step off.
 @pytest.mark.parametrize("seed", range(0, 64, 4))
 def test_ilp_matches_exact_enumeration_with_all_devices(seed):
     tabs = instance(seed)
-    configs = ilp.build_configs(tabs)
+    configs = build_configs(tabs)
     exact = solve_exact(tabs, configs, use_all_devices=True) if configs else None
     sol = ilp.solve(tabs, configs, use_all_devices=True) if configs else None
     assert (exact is None) == (sol is None)
@@ -77,7 +79,7 @@ def test_ilp_matches_exact_enumeration_with_all_devices(seed):
 
 
 # ---- the enumeration's reduction against literal multisets of items ---------------------------------
-def _brute_force_ns(tabs: CostTables, configs: list[ilp.Config]) -> int | None:
+def _brute_force_ns(tabs: CostTables, configs: list[candidates.Config]) -> int | None:
     """Every multiset of items per class within its devices whose splits have nested cuts; the ILP's
     objective, both regimes."""
     items = all_items(tabs, configs)
@@ -111,7 +113,7 @@ def _brute_force_ns(tabs: CostTables, configs: list[ilp.Config]) -> int | None:
                     t = tabs.classes[ci]
                     return Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
                 sync = max(to_ns(split_sync_s(tabs, s[0], b, [grid_R], link(s[0]),
-                                              ilp.overlap_of(tabs, configs, s, b))[0]) for s, b in split_of.items())
+                                              overlap_of(tabs, configs, s, b))[0]) for s, b in split_of.items())
                 if best is None or pipe + sync < best:
                     best = pipe + sync
     return best
@@ -127,7 +129,7 @@ def test_enumeration_equals_literal_multisets(seed):
                for ci, d in enumerate(rng.choice([(1, 2), (2, 1), (1, 1, 1), (2, 2)]))]
     tabs = syn.tables(classes, rng.choice([3, 4, 6]), inter_gbit_s=rng.choice([1.0, 100.0]),
                       grad_gib=[rng.uniform(0.01, 1.0) for _ in range(N)])
-    configs = ilp.build_configs(tabs)
+    configs = build_configs(tabs)
     exact = solve_exact(tabs, configs)
     assert exact is not None
     assert to_ns(exact.objective_s) == _brute_force_ns(tabs, configs)
@@ -140,9 +142,9 @@ ONE_NODE_OVERFLOW_SEED = 72    # an instance() whose one-node optimum overfills 
 def test_one_node_regime_fits_the_whole_class_in_one_node():
     """Once charged intra-node sync for a layout no node could hold (seed 72); the bound is per class."""
     tabs = instance(ONE_NODE_OVERFLOW_SEED)
-    configs = ilp.build_configs(tabs)
+    configs = build_configs(tabs)
     items = ilp.pareto_items(tabs, configs)
-    sol = ilp._solve_regime(tabs, configs, items, True, 10.0)
+    sol = ilp.solve_regime(tabs, configs, items, True, SolverSettings(work_limit_s=10.0))
     assert sol is not None
     for ci, table in enumerate(tabs.classes):
         devices = sum(c.replicas * c.config.num_stages for c in sol.choices if c.config.cls == ci)

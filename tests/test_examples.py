@@ -167,7 +167,7 @@ def test_real_llama_configs_trace_on_meta(name: str) -> None:
 def test_real_llama_configs_plan_from_a_few_traced_layers(name: str) -> None:
     """The planner's trace exports the first decoder layers and replicates the rest: every parameter is there."""
     from planner import frontend
-    from planner.repeated import HEAD, REPLICATED_KEY, Replicated
+    from planner.frontend.repeated import HEAD, REPLICATED_KEY, Replicated
 
     example = _load(name)
     with torch.device("meta"):

@@ -11,7 +11,7 @@ from statistics import median
 
 import pytest
 
-from planner.ir import Plan
+from planner.core.ir import Plan
 from tests.helpers import EXAMPLES, REPO, run_plan_cli, run_program
 
 LOOSE_FACTOR = 2.0

@@ -14,8 +14,9 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from planner import frontend, repeated
-from planner.replicate import value_key
+from planner import frontend
+from planner.frontend import repeated
+from planner.frontend.replicate import value_key
 from tests.helpers import EXAMPLES
 
 D = 16

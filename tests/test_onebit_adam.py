@@ -24,7 +24,7 @@ from backends.compression import MomentumExchange, OneBitAdamW, make_compressor,
 from backends.kernels import add_error_and_sqnorm, sign_pack, unpack_average
 from backends.torchdist import precision, runtime
 from backends.torchdist.gradsync import GradientSync
-from planner.ir import GradGroup
+from planner.core.ir import GradGroup
 from tests.helpers import spawn_gloo_workers
 
 WORLD = 3

@@ -25,7 +25,7 @@ from backends.torchdist.gradsync import group_payload_bytes
 from backends.torchdist.reference import train_reference
 from planner import frontend
 from planner.api import PlanOptions, plan
-from planner.ir import Plan
+from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, REPO, run_plan_cli, run_program
 
 GPT = EXAMPLES / "gpt" / "model.py"

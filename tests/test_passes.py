@@ -12,7 +12,7 @@ from passes.blocks import BLOCKS_KEY, Blocks, compute_nodes
 from passes.split import split_stages
 from planner import frontend
 from planner.api import trace_model_file
-from planner.errors import PassError
+from planner.core.errors import PassError
 from tests.helpers import EXAMPLES
 
 

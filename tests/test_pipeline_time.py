@@ -9,7 +9,7 @@ import pytest
 
 from backends.sim.engine import simulate
 from backends.sim.inputs import ReplicaWork, SimInput, StageWork
-from planner.search import ilp, pipeline
+from planner.search import pipeline, topology
 from tests import synthetic as syn
 
 
@@ -85,10 +85,11 @@ def test_cuts_cross_the_network_where_a_node_or_a_device_type_ends() -> None:
     inter = (tabs.inter_bandwidth_bytes_s, tabs.inter_latency_s)
     intra_a = (a.intra_bandwidth_bytes_s, a.intra_latency_s)
     intra_b = (b.intra_bandwidth_bytes_s, b.intra_latency_s)
-    assert ilp.cut_links(tabs, (0,) * 4) == (intra_a,) * 3                       # one node
-    assert ilp.cut_links(tabs, (0,) * 8) == (intra_a,) * 3 + (inter,) + (intra_a,) * 3
-    assert ilp.cut_links(tabs, (0, 0, 1, 1)) == (intra_a, inter, intra_b)        # between types
-    assert ilp.cut_links(tabs, (0,) * 8 + (1,) * 2) == (intra_a,) * 3 + (inter,) + (intra_a,) * 3 + (inter, intra_b)
+    assert topology.cut_links(tabs, (0,) * 4) == (intra_a,) * 3                       # one node
+    assert topology.cut_links(tabs, (0,) * 8) == (intra_a,) * 3 + (inter,) + (intra_a,) * 3
+    assert topology.cut_links(tabs, (0, 0, 1, 1)) == (intra_a, inter, intra_b)        # between types
+    assert topology.cut_links(tabs, (0,) * 8 + (1,) * 2) == ((intra_a,) * 3 + (inter,) + (intra_a,) * 3
+                                                            + (inter, intra_b))
 
 
 def test_shared_split_takes_the_candidate_the_schedule_runs_fastest() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from planner.api import PlanOptions, plan
 from planner.cli import main
-from planner.ir import Plan
+from planner.core.ir import Plan
 from tests.helpers import EXAMPLES, cluster_files
 
 GPT = EXAMPLES / "gpt" / "model.py"

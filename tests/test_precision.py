@@ -24,7 +24,7 @@ from backends.torchdist import precision
 from backends.torchdist.emit import emit_program
 from backends.torchdist.reference import train_reference
 from planner.api import PlanOptions, plan
-from planner.ir import Plan
+from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, REPO, spawn_gloo_workers
 
 GPT = EXAMPLES / "gpt" / "model.py"

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from planner.api import PlanOptions, plan
-from planner.ir import Plan
+from planner.core.ir import Plan
 from planner.search.split import block_phases_s, solve_split, stage_costs
 from tests import synthetic as syn
 from tests.helpers import EXAMPLES, run_plan_cli

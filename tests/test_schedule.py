@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner import schedule as sched
-from planner.errors import PassError
+from planner.core import schedule as sched
+from planner.core.errors import PassError
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from planner.search import ilp, pipeline
+from planner.search.configs import build_configs
 from planner.search.enumerate import solve_exact
 from planner.search.schedules import gpipe_max_micro_batches
 from tests import synthetic as syn
@@ -44,8 +45,8 @@ def _two_node_pipeline(act_gib: float, capacity_gib: float, global_batch: int):
 
 def test_search_picks_gpipe_where_it_is_faster_and_its_time_is_the_simulated_one() -> None:
     tabs = _two_node_pipeline(act_gib=0.01, capacity_gib=6.0, global_batch=16)
-    only_1f1b = ilp.solve(tabs, ilp.build_configs(tabs, schedule="1f1b"))
-    auto = ilp.solve(tabs, ilp.build_configs(tabs))
+    only_1f1b = ilp.solve(tabs, build_configs(tabs, schedule="1f1b"))
+    auto = ilp.solve(tabs, build_configs(tabs))
     assert {c.config.schedule for c in auto.choices} == {"gpipe"}
     assert auto.objective_s < 0.9 * only_1f1b.objective_s
     (choice,) = auto.choices
@@ -54,7 +55,7 @@ def test_search_picks_gpipe_where_it_is_faster_and_its_time_is_the_simulated_one
     simulated = simulated_s(list(sp.fwd_s), list(sp.bwd_s), list(sp.send_s), M, "gpipe")
     assert auto.pipeline_s == pytest.approx(simulated + choice.config.optimizer_s, rel=1e-6)
     # the exact enumerator, over the same space, agrees
-    assert solve_exact(tabs, ilp.build_configs(tabs)).objective_s == pytest.approx(auto.objective_s, rel=1e-6)
+    assert solve_exact(tabs, build_configs(tabs)).objective_s == pytest.approx(auto.objective_s, rel=1e-6)
 
 
 def test_gpipe_runs_only_as_many_micro_batches_as_its_stages_hold() -> None:
@@ -64,27 +65,27 @@ def test_gpipe_runs_only_as_many_micro_batches_as_its_stages_hold() -> None:
     serves the batch, GPipe cannot."""
     tabs = _two_node_pipeline(act_gib=1.0, capacity_gib=12.5, global_batch=16)
     capacity = tabs.classes[0].capacity_bytes
-    configs = ilp.build_configs(tabs, schedule="gpipe")
+    configs = build_configs(tabs, schedule="gpipe")
     plain = [c for c in configs if not c.split.recompute]
     assert [c.micro_batch for c in plain] == [1]
     for c in plain:
         per_micro = 4 * GIB * c.micro_batch              # each stage: 4 blocks x 1 GiB x micro-batch
         assert c.max_micro_batches == gpipe_max_micro_batches(tabs, c) == 2
         assert 4 * GIB + 2 * per_micro <= capacity < 4 * GIB + 3 * per_micro
-    assert {c.config.schedule for c in ilp.solve(tabs, ilp.build_configs(tabs)).choices} == {"1f1b"}
+    assert {c.config.schedule for c in ilp.solve(tabs, build_configs(tabs)).choices} == {"1f1b"}
     assert ilp.solve(tabs, configs) is None
 
 
 def test_forcing_a_schedule_keeps_only_its_configurations() -> None:
     tabs = _two_node_pipeline(act_gib=0.01, capacity_gib=6.0, global_batch=16)
-    assert {c.schedule for c in ilp.build_configs(tabs, schedule="1f1b")} == {"1f1b"}
-    assert {c.schedule for c in ilp.build_configs(tabs, schedule="gpipe")} == {"gpipe"}
-    assert {c.schedule for c in ilp.build_configs(tabs)} == {"1f1b", "gpipe"}
+    assert {c.schedule for c in build_configs(tabs, schedule="1f1b")} == {"1f1b"}
+    assert {c.schedule for c in build_configs(tabs, schedule="gpipe")} == {"gpipe"}
+    assert {c.schedule for c in build_configs(tabs)} == {"1f1b", "gpipe"}
 
 
 def test_an_unknown_schedule_is_refused_before_tracing() -> None:
     from planner.api import PlanOptions, plan
-    from planner.errors import PlanningError
+    from planner.core.errors import PlanningError
 
     with pytest.raises(PlanningError) as err:
         plan("no-such-model.py", "no-such-cluster.yaml", PlanOptions(schedule="zigzag"))

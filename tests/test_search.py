@@ -9,10 +9,11 @@ import random
 import pytest
 
 from costmodel.network import ring_allreduce_s
+from planner.core.cluster import Link
 from planner.search import align, ilp, sync
+from planner.search.configs import build_configs
 from planner.search.enumerate import solve_exact
 from planner.search.split import Lane, solve_shared_bounds, solve_split, stage_costs
-from planner.spec import Link
 from tests import synthetic as syn
 
 
@@ -58,7 +59,7 @@ def test_faster_class_gets_more_rows_per_device():
     fast = syn.table("fast", 3.0, blocks=4, devices=4, per_node=4)
     slow = syn.table("slow", 1.0, blocks=4, devices=4, per_node=4)
     tabs = syn.tables([fast, slow], 64, grad_gib=[0.001] * 4)
-    sol = ilp.solve(tabs, ilp.build_configs(tabs, fixed_stages=1), use_all_devices=True)
+    sol = ilp.solve(tabs, build_configs(tabs, fixed_stages=1), use_all_devices=True)
     share = {c.config.cls: c.share for c in sol.choices}
     assert share[0] > share[1]
     assert sum(c.replicas * c.share for c in sol.choices) >= 64
@@ -67,7 +68,7 @@ def test_faster_class_gets_more_rows_per_device():
 def test_memory_forces_pipeline_depth():
     t = syn.table("x", 1.0, blocks=8, devices=8, per_node=8, capacity_gib=20.0, state_gib=[8.0] * 8)
     tabs = syn.tables([t], 16)
-    configs = ilp.build_configs(tabs)
+    configs = build_configs(tabs)
     assert min(c.num_stages for c in configs) >= 4   # 64 GiB of state over 20 GiB devices
     sol = ilp.solve(tabs, configs)
     assert all(c.config.num_stages >= 4 for c in sol.choices)
@@ -76,9 +77,9 @@ def test_memory_forces_pipeline_depth():
 def test_expensive_sync_prefers_fewer_replicas():
     t = syn.table("x", 1.0, blocks=4, devices=8, per_node=1, block_s=[1e-4] * 4)
     cheap_sync = ilp.solve(syn.tables([t], 32, inter_gbit_s=10000, grad_gib=[0.0001] * 4),
-                           ilp.build_configs(syn.tables([t], 32), fixed_stages=1))
+                           build_configs(syn.tables([t], 32), fixed_stages=1))
     dear_sync = ilp.solve(syn.tables([t], 32, inter_gbit_s=1, grad_gib=[4.0] * 4),
-                          ilp.build_configs(syn.tables([t], 32), fixed_stages=1))
+                          build_configs(syn.tables([t], 32), fixed_stages=1))
     replicas = lambda s: sum(c.replicas for c in s.choices)  # noqa: E731
     assert replicas(dear_sync) < replicas(cheap_sync)
 
@@ -86,7 +87,7 @@ def test_expensive_sync_prefers_fewer_replicas():
 def test_solution_reports_optimality():
     t = syn.table("x", 1.0, blocks=4, devices=4, per_node=4)
     tabs = syn.tables([t], 8)
-    sol = ilp.solve(tabs, ilp.build_configs(tabs))
+    sol = ilp.solve(tabs, build_configs(tabs))
     assert sol.status == "OPTIMAL" and sol.bound_s == pytest.approx(sol.objective_s)
 
 
@@ -130,7 +131,7 @@ def test_replicas_on_different_classes_keep_nested_cuts():
     own = {ci: solve_split(t, 2, 1, ((t.intra_bandwidth_bytes_s, t.intra_latency_s),), tabs.grad_bytes).bounds
            for ci, t in enumerate(tabs.classes)}
     assert own[0] != own[1]                    # each class alone would cut elsewhere
-    sol = ilp.solve(tabs, ilp.build_configs(tabs, fixed_stages=2), use_all_devices=True)
+    sol = ilp.solve(tabs, build_configs(tabs, fixed_stages=2), use_all_devices=True)
     bounds = {c.config.split.bounds for c in sol.choices}
     assert {ci for c in sol.choices for ci in c.config.classes} == {0, 1}
     assert all(align.nested(a, b) for a in bounds for b in bounds)
@@ -176,7 +177,7 @@ def test_a_model_too_deep_for_either_class_gets_one_pipeline_across_both():
     a = syn.table("a", 2.0, blocks=4, devices=2, per_node=2, state_gib=[30.0] * 4)
     b = syn.table("b", 1.0, blocks=4, devices=2, per_node=2, state_gib=[30.0] * 4)
     tabs = syn.tables([a, b], 8)
-    configs = ilp.build_configs(tabs)
+    configs = build_configs(tabs)
     assert configs and all(c.stage_classes for c in configs)      # no single-class pipeline fits
     sol = ilp.solve(tabs, configs)
     [choice] = sol.choices

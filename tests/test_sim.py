@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from backends.sim import from_plan, render_gantt, simulate, simulate_plan
+from backends.report.gantt import render_gantt
+from backends.sim import from_plan, simulate, simulate_plan
 from backends.sim.inputs import optimizer_step_s
 from costmodel.network import ring_allreduce_s
 from planner.api import PlanOptions, plan
-from planner.ir import (
+from planner.core.cluster import ClusterSpec, DeviceType, Link, NodeGroup
+from planner.core.ir import (
     BlockInfo,
     Estimates,
     GradGroup,
@@ -19,7 +21,6 @@ from planner.ir import (
     SolverFacts,
     StagePlan,
 )
-from planner.spec import ClusterSpec, DeviceType, Link, NodeGroup
 from tests.helpers import CLUSTERS, EXAMPLES
 
 F_S, B_S = 1e-3, 2e-3            # per sample, forward and backward, every stage

@@ -13,11 +13,11 @@ import pytest
 
 from benchmarks import single_device
 from benchmarks.fidelity import main as fidelity_main
-from costmodel import blockbench
 from costmodel.calibration import load_calibration
 from planner import frontend
 from planner.api import trace_model_file
 from planner.cli import main as plan_main
+from planner.profile import blockbench
 from tests.helpers import EXAMPLES, REPO
 from tests.test_calibration import synthetic
 

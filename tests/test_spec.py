@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner.errors import SpecError
-from planner.spec import PRECISIONS, ClusterSpec, load_catalog, load_cluster, load_links
+from costmodel.catalog import load_catalog, load_links
+from planner.core.cluster import PRECISIONS, ClusterSpec
+from planner.core.errors import SpecError
+from planner.frontend.cluster import load_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CLUSTERS = Path(__file__).resolve().parents[2] / "shared" / "clusters"

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-from planner.ir import Plan
-
-GIB = float(1 << 30)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def format_time(seconds: float) -> str:
-    """Seconds in the unit that reads best (s, ms, us)."""
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3f} ms"
-    return f"{seconds * 1e6:.1f} us"
+from backends.report.gantt import render_gantt
+from backends.report.text import GIB, format_time, layout, table
+from backends.sim import simulate_plan
+from planner.core.cluster import ClusterSpec
+from planner.core.ir import Plan
 
 
 def summary(plan: Plan) -> str:
@@ -45,13 +31,13 @@ def summary(plan: Plan) -> str:
                 "x".join(map(str, r.micro_batch_sizes[:1])) + f" x{len(r.micro_batch_sizes)}", r.schedule,
                 f"{e.memory_bytes[st.rank] / GIB:.2f}/{e.capacity_bytes[st.rank] / GIB:.1f}",
                 format_time(e.busy_s[st.rank])])
-    stages = _table(["rank", "rep/stage", "device", "type", "prec", "blocks", "recompute", "share", "micro",
+    stages = table(["rank", "rep/stage", "device", "type", "prec", "blocks", "recompute", "share", "micro",
                      "schedule", "mem GiB", "busy"], rows)
     groups = [[str(g.index), ",".join(map(str, g.ranks)) if len(g.ranks) <= 8 else f"{len(g.ranks)} ranks",
                str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, format_time(g.estimated_s)]
               for g in plan.grad_groups[:12]]
     more = f"\n... {len(plan.grad_groups) - 12} more gradient groups" if len(plan.grad_groups) > 12 else ""
-    grads = _table(["group", "ranks", "params", "MiB", "compressor", "est"], groups) + more if groups else \
+    grads = table(["group", "ranks", "params", "MiB", "compressor", "est"], groups) + more if groups else \
         "no gradient synchronisation (one replica)"
     return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n"
 
@@ -63,16 +49,10 @@ def runners_up_section(plan: Plan) -> str:
         return "(no runners-up recorded: planned with a baseline strategy or --no-runners-up)"
     chosen = [f"{s.strategy} (chosen)", format_time(plan.estimates.iteration_s),
               format_time(s.simulated_iteration_s) if s.simulated_iteration_s is not None else "-",
-              str(plan.world_size), _layout(plan), "-"]
+              str(plan.world_size), layout(plan), "-"]
     rows = [chosen] + [[u.name, format_time(u.estimated_iteration_s), format_time(u.simulated_iteration_s),
                         str(u.devices_used), u.layout, u.why_slower] for u in s.runners_up]
-    return "why this plan:\n" + _table(["plan", "est step", "sim step", "devices", "layout", "vs chosen"], rows)
-
-
-def _layout(plan: Plan) -> str:
-    from planner.search.runners_up import layout
-
-    return layout(plan)
+    return "why this plan:\n" + table(["plan", "est step", "sim step", "devices", "layout", "vs chosen"], rows)
 
 
 def memory_table(plan: Plan) -> str:
@@ -81,13 +61,11 @@ def memory_table(plan: Plan) -> str:
     order = sorted(range(plan.world_size), key=lambda r: -e.memory_bytes[r] / e.capacity_bytes[r])
     rows = [[str(r), plan.devices[r], f"{e.memory_bytes[r] / GIB:.2f}", f"{e.capacity_bytes[r] / GIB:.1f}",
              f"{e.memory_bytes[r] / e.capacity_bytes[r]:.0%}"] for r in order[:12]]
-    return _table(["rank", "device", "est GiB", "capacity GiB", "used"], rows)
+    return table(["rank", "device", "est GiB", "capacity GiB", "used"], rows)
 
 
-def simulation_section(plan: Plan, spec) -> str:
+def simulation_section(plan: Plan, spec: ClusterSpec) -> str:
     """The event simulation of one iteration: time, bubbles and a Gantt chart."""
-    from backends.sim import render_gantt, simulate_plan
-
     sim = simulate_plan(plan, spec)
     head = (f"simulated step {format_time(sim.iteration_s)} (estimate {format_time(plan.estimates.iteration_s)}), "
             f"bubble {sim.bubble_fraction:.0%}")

@@ -1,17 +1,16 @@
 """Event simulator of a plan's schedule: iteration time, busy time, bubbles, Gantt chart.
 
-    from backends.sim import simulate_plan, render_gantt
+    from backends.sim import simulate_plan
     result = simulate_plan(plan, spec)
-    print(result.iteration_s); print(render_gantt(result))
+    print(result.iteration_s)       # backends.report.gantt draws it
 """
 
 from __future__ import annotations
 
 from backends.sim.engine import SimResult, Span, simulate
-from backends.sim.gantt import render_gantt
 from backends.sim.inputs import ReplicaWork, SimInput, StageWork, SyncWork, from_plan
-from planner.ir import Plan
-from planner.spec import ClusterSpec
+from planner.core.cluster import ClusterSpec
+from planner.core.ir import Plan
 
 
 def simulate_plan(plan: Plan, spec: ClusterSpec) -> SimResult:
@@ -20,4 +19,4 @@ def simulate_plan(plan: Plan, spec: ClusterSpec) -> SimResult:
 
 
 __all__ = ["ReplicaWork", "SimInput", "SimResult", "Span", "StageWork", "SyncWork", "from_plan",
-           "render_gantt", "simulate", "simulate_plan"]
+           "simulate", "simulate_plan"]

@@ -1,6 +1,6 @@
 """Event simulation of one training iteration of a plan.
 
-Per replica, each rank runs its schedule's actions (planner.schedule) in order. A forward of
+Per replica, each rank runs its schedule's actions (planner.core.schedule) in order. A forward of
 micro-batch j on stage s starts when the rank is free and stage s-1's activations of j have
 arrived; a backward when stage s+1's input gradient of j has arrived. Sends are asynchronous (the
 runtime uses isend): a transfer starts when its producer finishes and the directed link between
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from backends.sim.inputs import ReplicaWork, SimInput
-from planner import schedule as sched
-from planner.errors import PassError
+from planner.core import schedule as sched
+from planner.core.errors import PassError
 
 SYNC_LABEL = "sync"
 OPTIMIZER_LABEL = "opt"

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel import constants as C
-from costmodel.compression import activation_wire_bytes
+from costmodel.activation_compression import activation_wire_bytes
 from costmodel.network import ring_allreduce_s
-from planner.errors import PlanningError
-from planner.ir import GradGroup, P2PEdge, Plan, ReplicaPlan, StagePlan
-from planner.spec import ClusterSpec, Device, Link
+from planner.core.cluster import ClusterSpec, Device, Link
+from planner.core.errors import PlanningError
+from planner.core.ir import GradGroup, P2PEdge, Plan, ReplicaPlan, StagePlan
 
 # costmodel.compute.ops_overhead_s counts one launch per op forward and one backward, so the
 # per-micro-batch overhead of a stage splits evenly between its F and B actions.

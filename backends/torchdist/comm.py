@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from backends.torchdist import activations
-from planner.ir import Plan, ReplicaPlan, StagePlan
+from planner.core.ir import Plan, ReplicaPlan, StagePlan
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -6,7 +6,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from planner.ir import Plan
+from planner.core.ir import Plan
 
 TRAIN_TEMPLATE = '''\
 """Training program emitted by hetplan for cluster `{cluster}` (global batch {global_batch}).

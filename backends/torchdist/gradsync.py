@@ -34,7 +34,7 @@ import torch.nn as nn
 from backends.compression import GradientCompressor, MomentumExchange, make_compressor
 from backends.torchdist.comm import allreduce_sum_
 from costmodel import compression as costs
-from planner.ir import GradGroup
+from planner.core.ir import GradGroup
 
 
 def compressor_options(name: str) -> dict[str, Any]:

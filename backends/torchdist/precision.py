@@ -26,7 +26,7 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from backends.torchdist.comm import uses_cuda
-from planner.ir import Plan, StagePlan
+from planner.core.ir import Plan, StagePlan
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """Plan precision -> autocast dtype; any other precision (fp32, tf32) runs without autocast."""

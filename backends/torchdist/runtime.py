@@ -24,8 +24,8 @@ from backends.torchdist.comm import P2P, Context, tag
 from backends.torchdist.gradsync import GradientSync
 from passes.split import StageSplit, split_stages
 from planner import frontend
-from planner import schedule as sched
-from planner.ir import Plan
+from planner.core import schedule as sched
+from planner.core.ir import Plan
 
 
 def build_model(model_file: frontend.ModelFile, seed: int) -> nn.Module:

@@ -19,14 +19,10 @@ keep the CP-SAT model as small as one without alignment.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from costmodel.tables import CostTables
 from planner.search.pipeline import pipeline_at_s
 from planner.search.split import Lane, Split, equal_bounds, solve_shared_bounds, solve_split, stage_costs
-
-if TYPE_CHECKING:
-    pass
+from planner.search.topology import cut_links
 
 Bounds = tuple[int, ...]
 # a candidate split's throughput is taken at up to this many micro-batches (planner.search.pipeline's
@@ -48,8 +44,6 @@ def conflicts(bounds: list[Bounds]) -> list[tuple[int, int]]:
 
 def split_for(tables: CostTables, cls: int, bounds: Bounds, micro_batch: int, recompute: bool) -> Split | None:
     """`bounds` costed on class `cls` at `micro_batch`; None when a stage does not fit its memory."""
-    from planner.search.ilp import cut_links
-
     table = tables.classes[cls]
     split = stage_costs(table, bounds, micro_batch, cut_links(tables, (cls,) * (len(bounds) - 1)), tables.grad_bytes,
                         recompute)
@@ -58,8 +52,6 @@ def split_for(tables: CostTables, cls: int, bounds: Bounds, micro_batch: int, re
 
 def own_split(tables: CostTables, cls: int, num_stages: int, micro_batch: int) -> Split | None:
     """The class's best split at this micro-batch size; with recompute only when nothing else fits."""
-    from planner.search.ilp import cut_links
-
     links = cut_links(tables, (cls,) * num_stages)
     table = tables.classes[cls]
     return (solve_split(table, num_stages, micro_batch, links, tables.grad_bytes)
@@ -119,8 +111,6 @@ def split_rate(tables: CostTables, split: Split, micro_batch: int) -> float:
 
 def _shared_at(tables: CostTables, classes: list[int], num_stages: int, micro_batch: int,
                own: OwnSplits) -> Bounds | None:
-    from planner.search.ilp import cut_links
-
     lanes = []
     for ci in classes:
         split = own[(ci, micro_batch)]

@@ -7,12 +7,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from costmodel import compression, compute, memory
+from costmodel import activation_compression, compression, compute, memory
 from costmodel import constants as C
 from costmodel.tables import CostTables
-from passes.blocks import Block
-from planner.errors import PlanningError
-from planner.ir import (
+from planner.core.blocks import Block
+from planner.core.cluster import ClusterSpec, Device
+from planner.core.errors import PlanningError
+from planner.core.ir import (
     BlockInfo,
     Estimates,
     GradGroup,
@@ -23,9 +24,8 @@ from planner.ir import (
     SolverFacts,
     StagePlan,
 )
-from planner.search.ilp import Choice, Config, Solution
+from planner.search.candidates import Choice, Config, Solution
 from planner.search.split import kept_activation_bytes
-from planner.spec import ClusterSpec, Device
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _with_activation_compressor(edge: P2PEdge, policy: str, replicas: list[Repli
     nbytes = edge.bytes_per_sample * max(replica.micro_batch_sizes)
     bandwidth = min(compression.kernel_bandwidth_bytes_s(d.type) for d in (src, dst))
     launch = max(compute.op_overhead_s(d.type) for d in (src, dst))
-    cost = compression.choose_activation(policy, nbytes, element_bytes, spec.link_between(src, dst),
+    cost = activation_compression.choose_activation(policy, nbytes, element_bytes, spec.link_between(src, dst),
                                          bandwidth, launch)
     return dataclasses.replace(edge, compressor=cost.name)
 

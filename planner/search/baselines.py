@@ -1,7 +1,7 @@
 """Baseline strategies, to compare the ILP against under one simulator.
 
-Each builds the same objects the ILP returns (ilp.Config with a split.Split, ilp.Choice,
-ilp.Solution) and goes through the one `assemble()`, so every plan is made by one code path and
+Each builds the same objects the ILP returns (candidates.Config with a split.Split, candidates.Choice,
+candidates.Solution) and goes through the one `assemble()`, so every plan is made by one code path and
 checked by `verify_plan`:
 
 - `uniform`: every device alike: the smallest pipeline depth at which an equal-block split fits
@@ -23,35 +23,33 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from costmodel.tables import ClassTable, CostTables
-from passes.blocks import Block
 from passes.verify import verify_plan
-from planner.errors import PlanningError
-from planner.ir import Plan, PlanInputs
-from planner.search import ilp
+from planner.core.blocks import Block
+from planner.core.cluster import ClusterSpec, Link
+from planner.core.errors import PlanningError
+from planner.core.ir import Plan, PlanInputs
+from planner.search import candidates, topology
 from planner.search.assemble import assemble
+from planner.search.configs import micro_batch_options, overlap_of, stage_count_options
+from planner.search.options import SearchOptions
 from planner.search.split import equal_bounds, solve_split, stage_costs
 from planner.search.sync import split_sync_s
-from planner.spec import ClusterSpec, Link
-
-if TYPE_CHECKING:
-    from planner.api import PlanOptions
 
 HEURISTIC_STATUS = "HEURISTIC"      # no optimality proof: the plan reports bound 0 (gap 100%)
-Replica = tuple[ilp.Config, int]    # (configuration, batch share)
+Replica = tuple[candidates.Config, int]    # (configuration, batch share)
 
 
 def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
-                balanced: bool) -> ilp.Config | None:
+                balanced: bool) -> candidates.Config | None:
     """Configuration of class `cls`: exact time-balanced split or equal blocks; recompute only when
-    nothing fits without it (as ilp.build_configs). None when no split of this kind fits."""
+    nothing fits without it (as build_configs). None when no split of this kind fits."""
     table = tables.classes[cls]
     if num_stages > tables.num_blocks:
         return None
     intra = num_stages <= table.per_node
-    links = ilp.cut_links(tables, (cls,) * num_stages)
+    links = topology.cut_links(tables, (cls,) * num_stages)
     split = None
     for recompute in (False, True):
         if balanced:
@@ -67,7 +65,7 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
         return None
     opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1]))
               for s in range(num_stages))
-    return ilp.Config(cls, num_stages, micro_batch, split, opt, intra)
+    return candidates.Config(cls, num_stages, micro_batch, split, opt, intra)
 
 
 def pipelines_per_class(table: ClassTable, num_stages: int) -> int:
@@ -78,11 +76,11 @@ def pipelines_per_class(table: ClassTable, num_stages: int) -> int:
     return table.num_nodes // math.ceil(num_stages / table.per_node)
 
 
-def replica_time_s(config: ilp.Config, share: int) -> float:
+def replica_time_s(config: candidates.Config, share: int) -> float:
     return config.replica_time_s(math.ceil(share / config.micro_batch))
 
 
-def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTIC_STATUS) -> ilp.Solution:
+def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTIC_STATUS) -> candidates.Solution:
     """A Solution for explicit replicas (config, share), estimated with the ILP's formulas."""
     replicas = [(c, share) for c, share in replicas if share > 0]
     pipeline_s = max(replica_time_s(c, share) for c, share in replicas)
@@ -97,13 +95,13 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     # less its overlap with the drain; misaligned splits' fragmented groups are not charged here
     configs = [c for c, _ in replicas]
     sync_s = max(split_sync_s(tables, c.cls, c.split.bounds, [len(replicas)], link,
-                              ilp.overlap_of(tables, configs, c.shape, c.split.bounds))[0]
+                              overlap_of(tables, configs, c.shape, c.split.bounds))[0]
                  for c in dict.fromkeys(configs))
-    counts: dict[tuple[ilp.Config, int], int] = {}
+    counts: dict[tuple[candidates.Config, int], int] = {}
     for key in replicas:
         counts[key] = counts.get(key, 0) + 1
-    choices = tuple(ilp.Choice(c, n, share) for (c, share), n in counts.items())
-    return ilp.Solution(choices=choices, pipeline_s=pipeline_s, sync_s=sync_s, objective_s=pipeline_s + sync_s,
+    choices = tuple(candidates.Choice(c, n, share) for (c, share), n in counts.items())
+    return candidates.Solution(choices=choices, pipeline_s=pipeline_s, sync_s=sync_s, objective_s=pipeline_s + sync_s,
                         bound_s=0.0, status=status, configurations=len(counts), one_node=one_node)
 
 
@@ -123,28 +121,28 @@ def proportional_shares(global_batch: int, speeds: list[float]) -> list[int]:
     return shares
 
 
-def _depths(tables: CostTables, classes: Iterable[int], options: PlanOptions) -> list[int]:
+def _depths(tables: CostTables, classes: Iterable[int], options: SearchOptions) -> list[int]:
     if options.stages is not None:
         return [options.stages] if options.stages <= tables.num_blocks else []
     out: set[int] = set()
     for ci in classes:
         t = tables.classes[ci]
-        out.update(ilp.stage_count_options(tables.num_blocks, t.num_devices, t.per_node, None))
+        out.update(stage_count_options(tables.num_blocks, t.num_devices, t.per_node, None))
     return sorted(out)
 
 
-def _micro_batches(tables: CostTables, options: PlanOptions) -> list[int]:
-    return [options.micro_batch] if options.micro_batch else ilp.micro_batch_options(tables.global_batch)
+def _micro_batches(tables: CostTables, options: SearchOptions) -> list[int]:
+    return [options.micro_batch] if options.micro_batch else micro_batch_options(tables.global_batch)
 
 
 Layout = Callable[[int, int], list[Replica] | None]   # (depth, micro-batch) -> replicas, or None
 
 
 def _best(tables: CostTables, layout: Layout, depths: list[int], micros: list[int],
-          first_fit: bool = False) -> ilp.Solution | None:
+          first_fit: bool = False) -> candidates.Solution | None:
     """The layout with the smallest estimate over depths and micro-batch sizes (with `first_fit`:
     the smallest depth at which any micro-batch size fits)."""
-    best: ilp.Solution | None = None
+    best: candidates.Solution | None = None
     for S in depths:
         for m in micros:
             replicas = layout(S, m)
@@ -197,7 +195,7 @@ def _fail(name: str, tables: CostTables, why: str) -> PlanningError:
                          fix="use --strategy ilp, more devices, or devices with more memory")
 
 
-def uniform_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+def uniform_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
     """Smallest depth whose equal-block split fits every class (else: the classes it fits)."""
     everyone = list(range(len(tables.classes)))
     depths, micros = _depths(tables, everyone, options), _micro_batches(tables, options)
@@ -209,7 +207,7 @@ def uniform_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
     return sol
 
 
-def fastest_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+def fastest_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
     """Only the fastest device type (least compute time per sample over all blocks)."""
     if options.use_all_devices:
         raise PlanningError("baseline `fastest` uses one device type only", field="--use-all-devices",
@@ -225,7 +223,7 @@ def fastest_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
     return sol
 
 
-def megatron_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+def megatron_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
     """Best common depth over all devices (classes that cannot hold a depth sit out of it)."""
     everyone = list(range(len(tables.classes)))
     sol = _best(tables, _even_layout(tables, everyone, balanced=False, strict=False),
@@ -235,7 +233,7 @@ def megatron_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
     return sol
 
 
-def metis_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
+def metis_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
     """Best common depth; per-class balanced splits; shares proportional to replica speed."""
     everyone = list(range(len(tables.classes)))
     sol = _best(tables, _metis_layout(tables), _depths(tables, everyone, options), _micro_batches(tables, options))
@@ -244,7 +242,7 @@ def metis_solution(tables: CostTables, options: PlanOptions) -> ilp.Solution:
     return sol
 
 
-def as_gpipe(tables: CostTables, solution: ilp.Solution) -> ilp.Solution:
+def as_gpipe(tables: CostTables, solution: candidates.Solution) -> candidates.Solution:
     """The baseline's replicas run GPipe (`--schedule gpipe`), re-estimated; they are chosen as 1F1B
     pipelines, as the baselines' own recipes do, and GPipe's memory is checked when the plan is verified."""
     replicas = [(dataclasses.replace(c.config, schedule="gpipe"), c.share) for c in solution.choices
@@ -252,14 +250,14 @@ def as_gpipe(tables: CostTables, solution: ilp.Solution) -> ilp.Solution:
     return evaluate(tables, replicas, solution.status)
 
 
-SOLVERS: dict[str, Callable[[CostTables, PlanOptions], ilp.Solution]] = {
+SOLVERS: dict[str, Callable[[CostTables, SearchOptions], candidates.Solution]] = {
     "uniform": uniform_solution, "fastest": fastest_solution, "megatron": megatron_solution,
     "metis": metis_solution,
 }
 
 
 def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
-        options: PlanOptions) -> Plan:
+        options: SearchOptions) -> Plan:
     """Plan with baseline `name` (a key of SOLVERS); the plan is verified, memory included."""
     solution = SOLVERS[name](tables, options)
     if options.schedule == "gpipe":

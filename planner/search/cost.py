@@ -3,7 +3,7 @@
 Cost per sample = iteration time x price per hour of the devices used / 3600 / global batch: a
 product of two decisions, so not linear. The search walks a ladder of time limits instead: the
 fastest plan's time T*, then T* x 1.15, 1.35, 1.6, 2, 3; at each it minimises the price per hour
-of the devices used (a linear objective, ilp._solve_regime with `max_time_ns`) and keeps the
+of the devices used (a linear objective, ilp.solve_regime with `max_time_ns`) and keeps the
 cheapest per sample. Fewer, cheaper devices running longer can win; none of the rungs is worse
 than the fastest plan's own cost.
 """
@@ -13,19 +13,20 @@ from __future__ import annotations
 import math
 
 from costmodel.tables import CostTables
-from planner.errors import PlanningError
-from planner.search import ilp
-from planner.search.split import NS_PER_S
+from planner.core.errors import PlanningError
+from planner.core.units import NS_PER_S
+from planner.search import candidates, ilp
+from planner.search.solver import SolverSettings
 
 TIME_LADDER = (1.0, 1.15, 1.35, 1.6, 2.0, 3.0)
 
 
-def price_per_hour(tables: CostTables, solution: ilp.Solution) -> float:
+def price_per_hour(tables: CostTables, solution: candidates.Solution) -> float:
     return sum(c.replicas * sum(tables.classes[ci].price_per_hour or 0.0 for ci in c.config.classes)
                for c in solution.choices)
 
 
-def cost_per_sample(tables: CostTables, solution: ilp.Solution) -> float:
+def cost_per_sample(tables: CostTables, solution: candidates.Solution) -> float:
     return solution.objective_s * price_per_hour(tables, solution) / 3600.0 / tables.global_batch
 
 
@@ -38,10 +39,10 @@ def check_prices(tables: CostTables, source: str | None) -> None:
                                 "device types, or plan with --objective time")
 
 
-def solve_cost(tables: CostTables, configs: list[ilp.Config], time_limit_s: float,
-               use_all_devices: bool = False) -> list[ilp.Solution]:
+def solve_cost(tables: CostTables, configs: list[candidates.Config], settings: SolverSettings,
+               use_all_devices: bool = False) -> list[candidates.Solution]:
     """The cheapest plan per sample over the time ladder, then the fastest plan (a runner-up)."""
-    fastest = ilp.solve_regimes(tables, configs, time_limit_s, use_all_devices)
+    fastest = ilp.solve_regimes(tables, configs, settings, use_all_devices)
     if not fastest:
         return []
     items = ilp.pareto_items(tables, configs)
@@ -49,7 +50,7 @@ def solve_cost(tables: CostTables, configs: list[ilp.Config], time_limit_s: floa
     candidates = list(fastest)
     for factor in TIME_LADDER:
         for one_node in ([False] if use_all_devices else [False, True]):
-            found = ilp._solve_regime(tables, configs, items, one_node, time_limit_s, use_all_devices,
+            found = ilp.solve_regime(tables, configs, items, one_node, settings, use_all_devices,
                                       max_time_ns=math.ceil(t_star_ns * factor))
             if found is not None:
                 candidates.append(found)

@@ -3,8 +3,8 @@ must reach, computed without a solver.
 
 The space is the one of planner.search.ilp: for each device class a multiset of replica shapes
 (stage count S, micro-batch size m, micro-batch count M) using at most its devices, each with the
-exact split of (class, S, m) (split.solve_split, via ilp.build_configs). The objective is
-ilp._solve_regime's, in the same integer nanoseconds:
+exact split of (class, S, m) (split.solve_split, via build_configs). The objective is
+ilp.solve_regime's, in the same integer nanoseconds:
 
     T_pipe = max over used items of ns(the 1F1B makespan with M micro-batches + optimizer)
     T_sync = max over used (class, S) shapes of ns(sync(split(shape), grid_ceil(R), link))
@@ -34,16 +34,17 @@ import networkx as nx
 import numpy as np
 
 from costmodel.tables import CostTables
-from planner.errors import PlanningError
-from planner.search import align, ilp
-from planner.search.split import NS_PER_S
+from planner.core.cluster import Link
+from planner.core.errors import PlanningError
+from planner.core.units import NS_PER_S
+from planner.search import align, candidates, ilp
+from planner.search.configs import overlap_of
 from planner.search.sync import split_sync_s
-from planner.spec import Link
 
 MAX_ASSIGNMENTS = 2_000_000      # replica-count vectors per regime; beyond this, use the ILP
 MAX_MICRO_BATCHES = 256          # ilp.pareto_items' default bound on M
 
-Shape = tuple[int, ...]          # the device class of each stage (ilp.Config.shape)
+Shape = tuple[int, ...]          # the device class of each stage (candidates.Config.shape)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class ExactResult:
     pipeline_s: float
     sync_s: float
     one_node: bool
-    choices: tuple[ilp.Choice, ...]
+    choices: tuple[candidates.Choice, ...]
     assignments: int                 # replica-count vectors examined, both regimes
 
 
@@ -71,7 +72,7 @@ def to_ns(seconds: float) -> int:
     return max(0, round(seconds * NS_PER_S))
 
 
-def all_items(tables: CostTables, configs: list[ilp.Config], max_micro: int = MAX_MICRO_BATCHES) -> list[Item]:
+def all_items(tables: CostTables, configs: list[candidates.Config], max_micro: int = MAX_MICRO_BATCHES) -> list[Item]:
     """Every (configuration, micro-batch count) the ILP may use, before any thinning."""
     B = tables.global_batch
     items = []
@@ -81,12 +82,12 @@ def all_items(tables: CostTables, configs: list[ilp.Config], max_micro: int = MA
     return items
 
 
-def shape_splits(configs: list[ilp.Config], items: list[Item]) -> dict[Shape, tuple[int, ...]]:
+def shape_splits(configs: list[candidates.Config], items: list[Item]) -> dict[Shape, tuple[int, ...]]:
     """The split of each shape (within one family of nested splits a shape has one)."""
     return {configs[it.config].shape: configs[it.config].split.bounds for it in items}
 
 
-def split_families(configs: list[ilp.Config], items: list[Item]) -> list[frozenset[tuple[int, ...]]]:
+def split_families(configs: list[candidates.Config], items: list[Item]) -> list[frozenset[tuple[int, ...]]]:
     """Maximal sets of splits that may be used together (pairwise nested cuts, planner.search.align)."""
     splits = sorted({configs[it.config].split.bounds for it in items}, key=lambda b: (len(b), b))
     graph = nx.Graph()
@@ -126,7 +127,7 @@ def _grid_index(grid: list[int]) -> list[int]:
     return index
 
 
-def _capacity_by_level(items: list[Item], configs: list[ilp.Config], shapes: list[Shape], levels: np.ndarray,
+def _capacity_by_level(items: list[Item], configs: list[candidates.Config], shapes: list[Shape], levels: np.ndarray,
                        ) -> tuple[np.ndarray, list[list[Item | None]], np.ndarray]:
     """cap[h, l]: the largest capacity of shape h among its items no slower than levels[l]; best[h][l]:
     that item; first_level[h]: the level of the shape's fastest item."""
@@ -158,7 +159,7 @@ def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, 
     return sum(int(counts[h]) * len(shapes[h]) for h in used) <= per_node
 
 
-def solve_exact(tables: CostTables, configs: list[ilp.Config], use_all_devices: bool = False,
+def solve_exact(tables: CostTables, configs: list[candidates.Config], use_all_devices: bool = False,
                 ) -> ExactResult | None:
     """The optimum of the ILP's model by enumeration; None when nothing covers the batch.
 
@@ -179,7 +180,7 @@ def solve_exact(tables: CostTables, configs: list[ilp.Config], use_all_devices: 
     return None if best is None else dataclasses.replace(best, assignments=examined)
 
 
-def _solve_family(tables: CostTables, configs: list[ilp.Config], items: list[Item], use_all_devices: bool,
+def _solve_family(tables: CostTables, configs: list[candidates.Config], items: list[Item], use_all_devices: bool,
                   ) -> ExactResult | None:
     B = tables.global_batch
     shapes = sorted({configs[it.config].shape for it in items})
@@ -201,7 +202,7 @@ def _solve_family(tables: CostTables, configs: list[ilp.Config], items: list[Ite
             t = tables.classes[shape[0]]
             link = Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
             bounds = splits[shape]
-            overlap = ilp.overlap_of(tables, configs, shape, bounds)
+            overlap = overlap_of(tables, configs, shape, bounds)
             link_of[h] = [to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap)]
         for vec in vectors:
             counts = np.array(vec, dtype=np.int64)
@@ -230,16 +231,17 @@ def _solve_family(tables: CostTables, configs: list[ilp.Config], items: list[Ite
         item = best[h][level]
         if item is None:   # a used shape always has an item at the chosen level
             raise AssertionError(f"shape {shapes[h]} has no item at level {level}")
-        choices.append(ilp.Choice(configs[item.config], int(counts[h]), item.capacity))
+        choices.append(candidates.Choice(configs[item.config], int(counts[h]), item.capacity))
     return ExactResult(objective / NS_PER_S, pipe / NS_PER_S, sync / NS_PER_S, one_node, tuple(choices),
                        examined)
 
 
-def exact_solution(tables: CostTables, configs: list[ilp.Config], use_all_devices: bool = False) -> ilp.Solution | None:
-    """solve_exact as an ilp.Solution, for assemble() (the `exact` strategy)."""
+def exact_solution(tables: CostTables, configs: list[candidates.Config],
+                   use_all_devices: bool = False) -> candidates.Solution | None:
+    """solve_exact as a candidates.Solution, for assemble() (the `exact` strategy)."""
     result = solve_exact(tables, configs, use_all_devices)
     if result is None:
         return None
-    return ilp.Solution(choices=result.choices, pipeline_s=result.pipeline_s, sync_s=result.sync_s,
+    return candidates.Solution(choices=result.choices, pipeline_s=result.pipeline_s, sync_s=result.sync_s,
                         objective_s=result.objective_s, bound_s=result.objective_s, status="OPTIMAL",
                         configurations=len(all_items(tables, configs)), one_node=result.one_node)

@@ -10,14 +10,11 @@ in flight. Portions longer than a node take whole nodes, as single-class pipelin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from costmodel.tables import CostTables
 from planner.search import align
+from planner.search.candidates import Config
 from planner.search.split import Lane, Split, costs_per_stage, solve_mixed_bounds
-
-if TYPE_CHECKING:
-    from planner.search.ilp import Config
+from planner.search.topology import cut_links
 
 
 def portions(num_stages: int, first: int, second: int, tables: CostTables) -> list[int]:
@@ -36,8 +33,6 @@ def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tupl
                 micro_batch: int) -> Split | None:
     """`bounds` with stage s on class stage_classes[s], its stages recomputing where they must; None
     when a stage does not fit its memory even so."""
-    from planner.search.ilp import cut_links
-
     stage_tables = [tables.classes[ci] for ci in stage_classes]
     split = costs_per_stage(stage_tables, bounds, micro_batch, cut_links(tables, stage_classes),
                             tables.grad_bytes, recompute=True)
@@ -63,8 +58,6 @@ def stage_count_options(tables: CostTables, first: int, second: int) -> list[int
 def own_bounds(tables: CostTables, classes: tuple[int, ...], micro_batch: int, recompute: bool,
                ) -> tuple[int, ...] | None:
     """The mixed pipeline's own best split (for depths without a shared one that fits it)."""
-    from planner.search.ilp import cut_links
-
     links = cut_links(tables, classes)
     lanes = [Lane(tables.classes[ci], links, recompute, 1.0)
              for ci in dict.fromkeys(classes)]
@@ -115,8 +108,6 @@ def mixed_configs(tables: CostTables, shared: dict[int, tuple[int, ...]], micro_
                   fixed_stages: int | None = None) -> list[Config]:
     """Mixed pipelines over every pair of classes: the depth's shared split where it fits them,
     else their own split."""
-    from planner.search.ilp import Config
-
     out = []
     for first, second in pairs(tables):
         for S in stage_count_options(tables, first, second):

@@ -1,5 +1,7 @@
 """The top-level CP-SAT model: which pipeline shapes, how many replicas of each, batch shares,
-micro-batch counts, under device counts, minimising the estimated iteration time.
+micro-batch counts, under device counts, minimising the estimated iteration time. This module builds
+and solves it; the candidates come from planner.search.configs, the solver's settings from
+planner.search.solver.
 
 A configuration k = (device class c, stage count S, micro-batch size m) carries its best stage
 split (planner.search.split). The model chooses n_k replicas of k with b_k samples each:
@@ -20,185 +22,26 @@ intra-node link); the better one wins.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from costmodel.tables import CostTables
-from planner.search import align, hetero, schedules
-from planner.search.pipeline import pipeline_s
-from planner.search.split import NS_PER_S, Links, Split
-from planner.search.sync import drain_overlap_s, split_sync_s
-from planner.spec import Link
+from planner.core.cluster import Link
+from planner.core.units import NS_PER_S
+from planner.search import align
+from planner.search.candidates import Choice, Config, Solution, to_ns
+from planner.search.configs import overlap_of
+from planner.search.solver import DEFAULT_SETTINGS, SolverSettings, solve_model
+from planner.search.sync import split_sync_s
 
-
-@dataclass(frozen=True)
-class Config:
-    cls: int
-    num_stages: int
-    micro_batch: int
-    split: Split
-    optimizer_s: float
-    intra_node: bool            # the whole pipeline sits inside one node
-    # per stage, when the pipeline spans device classes (planner.search.hetero); else all `cls`
-    stage_classes: tuple[int, ...] = ()
-    schedule: str = "1f1b"          # one of planner.schedule.SCHEDULES
-    # GPipe keeps every micro-batch's activations: the most micro-batches that fit (None: no limit)
-    max_micro_batches: int | None = None
-
-    @property
-    def classes(self) -> tuple[int, ...]:
-        """The device class of each stage."""
-        return self.stage_classes or (self.cls,) * self.num_stages
-
-    def devices_of(self, cls: int) -> int:
-        """Devices of class `cls` one replica takes."""
-        return self.classes.count(cls)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """What a replica occupies: the class of each stage (a single class's shape is (c,) * S)."""
-        return self.classes
-
-    def replica_time_s(self, micro_batches: int) -> float:
-        """One replica's iteration with M micro-batches: its schedule's makespan
-        (planner.search.pipeline), then the optimizer."""
-        sp = self.split
-        return pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s
-
-    def micro_batch_counts(self, global_batch: int, most: int) -> range:
-        """The micro-batch counts a replica of this configuration may run: up to `most`, no more than
-        the global batch needs, and within the schedule's memory."""
-        limit = min(most, math.ceil(global_batch / self.micro_batch))
-        if self.max_micro_batches is not None:
-            limit = min(limit, self.max_micro_batches)
-        return range(1, limit + 1)
-
-    def replica_time_ns(self, micro_batches: int) -> int:
-        return _ns(self.replica_time_s(micro_batches))
-
-
-@dataclass(frozen=True)
-class Choice:
-    config: Config
-    replicas: int
-    share: int                  # samples per replica before trimming the excess
-
-
-@dataclass(frozen=True)
-class Solution:
-    choices: tuple[Choice, ...]
-    pipeline_s: float
-    sync_s: float
-    objective_s: float
-    bound_s: float
-    status: str
-    configurations: int
-    one_node: bool
-
-
-MAX_STAGES = 128
 # Replica capacities closer than 1/64 apart are one choice (bounds the model's size at large batches;
 # costs at most ~1.6% of a replica's time, and none below 64 samples).
 CAPACITY_STEP_FRACTION = 64
-MIXED_MAX_DEVICES = 64
-# CP-SAT presolve rounds and probing level (its defaults: 3 and 2). The model is staircases of
-# implications: repeated rounds re-probe them and find nothing new (2.3 of 2.8 s at 1024 GPUs), so one
-# round and light probing prove the same optimum sooner (benchmarks/solver_settings.py).
-PRESOLVE_ITERATIONS = 1
-PROBING_LEVEL = 1
-
-
-def micro_batch_options(global_batch: int, limit: int = 64) -> list[int]:
-    out, m = [], 1
-    while m <= min(global_batch, limit):
-        out.append(m)
-        m *= 2
-    return out
-
-
-def stage_count_options(num_blocks: int, num_devices: int, per_node: int,
-                        fixed: int | None) -> list[int]:
-    if fixed is not None:
-        return [fixed] if fixed <= min(num_blocks, num_devices) else []
-    options = {s for s in range(1, per_node + 1) if per_node % s == 0}
-    s = per_node * 2
-    while s <= min(num_devices, MAX_STAGES):
-        options.add(s)
-        s *= 2
-    return sorted(o for o in options if o <= min(num_blocks, num_devices))
-
-
-def build_configs(tables: CostTables, fixed_stages: int | None = None,
-                  fixed_micro_batch: int | None = None, mixed_pipelines: bool = True,
-                  schedule: str = "auto") -> list[Config]:
-    """Per (class, stage count, micro-batch size) a configuration with its stage split: per stage
-    count one split shared by the classes where it fits (aligned gradient groups, planner.search.align);
-    and pipelines whose stages span two classes (planner.search.hetero). Each runs 1F1B and, as far as
-    its memory holds GPipe's micro-batches, GPipe (`schedule`: "auto" both, else that one only)."""
-    micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
-    by_stages: dict[int, list[int]] = {}
-    for ci, table in enumerate(tables.classes):
-        for S in stage_count_options(tables.num_blocks, table.num_devices, table.per_node, fixed_stages):
-            by_stages.setdefault(S, []).append(ci)
-    configs = []
-    shared_by_stages = {}
-    for S, classes in sorted(by_stages.items()):
-        own = align.own_splits(tables, classes, S, micro_options)
-        shared = align.shared_bounds(tables, classes, S, micro_options, own)
-        if shared is not None and S > 1:
-            shared_by_stages[S] = shared
-        for ci in classes:
-            configs.extend(make_config(tables, ci, split, m)
-                           for m, split in align.class_splits(tables, ci, S, micro_options, shared, own))
-    # mixed pipelines multiply the replica shapes; on large clusters every class has devices enough
-    # for its own pipelines, so they are offered there only when no single-class pipeline fits
-    if mixed_pipelines and (not configs or sum(t.num_devices for t in tables.classes) <= MIXED_MAX_DEVICES):
-        configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
-    configs = schedules.with_schedules(tables, configs, schedule)
-    return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b"))
-
-
-def cut_links(tables: CostTables, classes: tuple[int, ...]) -> Links:
-    """The link each cut between consecutive stages crosses, as planner.search.assemble places a
-    pipeline: a class's run of stages inside one node when it fits there, else over whole nodes in
-    stage order (a cut crosses the network where one node ends); a cut between classes crosses
-    the network."""
-    inter = (tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
-    out, start = [], 0
-    for s in range(len(classes) - 1):
-        if classes[s + 1] != classes[s]:
-            out.append(inter)
-            start = s + 1
-            continue
-        table = tables.classes[classes[s]]
-        run = classes.count(classes[s])
-        across = run > table.per_node and (s + 1 - start) % table.per_node == 0
-        out.append(inter if across else (table.intra_bandwidth_bytes_s, table.intra_latency_s))
-    return tuple(out)
-
-
-def make_config(tables: CostTables, cls: int, split: Split, micro_batch: int) -> Config:
-    table, S = tables.classes[cls], split.num_stages
-    opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1])) for s in range(S))
-    return Config(cls, S, micro_batch, split, opt, S <= table.per_node)
-
-
-def overlap_of(tables: CostTables, configs: list[Config], shape: tuple[int, ...],
-               bounds: tuple[int, ...]) -> list[float]:
-    """How early each stage of this split may start its sync (planner.search.sync.drain_overlap_s),
-    at the smallest micro-batch size any configuration of this shape and split uses (the least overlap)."""
-    micro = min(c.micro_batch for c in configs if c.shape == shape and c.split.bounds == bounds)
-    return drain_overlap_s(tables, shape, bounds, micro)
-
-
-def _ns(seconds: float) -> int:
-    return max(0, round(seconds * NS_PER_S))
 
 
 @dataclass(frozen=True)
-class _Item:
+class Item:
     """One way to run a replica: configuration k with M micro-batches (serves up to M*m samples)."""
 
     config: int
@@ -207,7 +50,7 @@ class _Item:
     capacity: int
 
 
-def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256) -> list[_Item]:
+def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256) -> list[Item]:
     """Per (replica shape, split): the (time, samples) frontier over micro-batch size and count.
 
     A replica shape that is slower and serves no more samples than another one on the same
@@ -215,12 +58,12 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     kept apart: which splits combine is constrained, planner.search.align).
     """
     B = tables.global_batch
-    by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Item]] = {}
+    by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Item]] = {}
     for k, c in enumerate(configs):
         for M in c.micro_batch_counts(B, max_micro):
-            item = _Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
+            item = Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
             by_shape.setdefault((c.shape, c.split.bounds), []).append(item)
-    items: list[_Item] = []
+    items: list[Item] = []
     for key in sorted(by_shape):
         best = 0
         frontier = sorted(by_shape[key], key=lambda i: (i.time_ns, -i.capacity, i.config))
@@ -242,9 +85,9 @@ def replica_grid(max_replicas: int) -> list[int]:
     return grid
 
 
-def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item], one_node: bool,
-                  time_limit_s: float, use_all_devices: bool = False, max_time_ns: int | None = None,
-                  ) -> Solution | None:
+def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
+                 settings: SolverSettings, use_all_devices: bool = False,
+                 max_time_ns: int | None = None) -> Solution | None:
     """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node.
     With `max_time_ns`: minimise the price per hour of the devices used, the time at most that."""
     B = tables.global_batch
@@ -316,7 +159,7 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         table = tables.classes[ci]
         link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
         overlap = overlap_of(tables, configs, shape, bounds)
-        at = [_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap)]
+        at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap)]
         model.add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
                   ).only_enforce_if(group_used)
     if one_node:
@@ -337,19 +180,8 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
         model.minimize(sum(n[i] * sum(round(100 * (tables.classes[ci].price_per_hour or 0.0))
                                       for ci in configs[it.config].classes) for i, it in enumerate(items)))
 
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    # the model is mostly big-M staircases: full linearisation gives the LP bound that proves them
-    solver.parameters.linearization_level = 2
-    # deterministic work units, not wall time: the same inputs give the same plan on any machine
-    solver.parameters.max_deterministic_time = time_limit_s
-    # CP-SAT 9.15's inclusion presolve can cut optimal solutions of this model and still report
-    # OPTIMAL (seen on all-devices instances, cf. or-tools#5293); the exact enumerator caught it
-    solver.parameters.presolve_inclusion_work_limit = 0
-    solver.parameters.max_presolve_iterations = PRESOLVE_ITERATIONS
-    solver.parameters.cp_model_probing_level = PROBING_LEVEL
-    status = solver.solve(model)
+    name = ("one-node" if one_node else "spread") + ("" if max_time_ns is None else f"-within-{max_time_ns}ns")
+    solver, status = solve_model(model, settings, name)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     choices = tuple(Choice(configs[item.config], solver.value(n[i]), item.capacity)
@@ -362,20 +194,20 @@ def _solve_regime(tables: CostTables, configs: list[Config], items: list[_Item],
                     status=solver.status_name(status), configurations=len(items), one_node=one_node)
 
 
-def solve(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0,
+def solve(tables: CostTables, configs: list[Config], settings: SolverSettings = DEFAULT_SETTINGS,
           use_all_devices: bool = False) -> Solution | None:
     """Best plan over two topology regimes: replicas spread over the network, or inside one node."""
-    found = solve_regimes(tables, configs, time_limit_s, use_all_devices)
+    found = solve_regimes(tables, configs, settings, use_all_devices)
     return found[0] if found else None
 
 
-def solve_regimes(tables: CostTables, configs: list[Config], time_limit_s: float = 30.0,
+def solve_regimes(tables: CostTables, configs: list[Config], settings: SolverSettings = DEFAULT_SETTINGS,
                   use_all_devices: bool = False) -> list[Solution]:
     """The best plan of each topology regime that has one, best first."""
     items = pareto_items(tables, configs)
     if not items:
         return []
     regimes = [False] if use_all_devices else [False, True]
-    found = [s for s in (_solve_regime(tables, configs, items, one, time_limit_s, use_all_devices)
+    found = [s for s in (solve_regime(tables, configs, items, one, settings, use_all_devices)
                          for one in regimes) if s is not None]
     return sorted(found, key=lambda s: (s.objective_s, s.one_node))

@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 
-from planner import schedule as sched
+from planner.core import schedule as sched
 
 # Beyond this depth the short-warm-up counts (M < S - 1) are walked at M = 1, 2, 4, 8, ... only and
 # interpolated linearly between them and the exact M = S - 1 (walking every one costs O(S^3) per
@@ -123,7 +123,7 @@ def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[floa
 
 
 def walk_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, M: int) -> float:
-    """The 1F1B schedule (planner.schedule) walked action by action, as backends/sim does."""
+    """The 1F1B schedule (planner.core.schedule) walked action by action, as backends/sim does."""
     S = len(f)
     fl, bl, xl = f.tolist(), b.tolist(), x.tolist()
     actions = sched.one_f_one_b(S, M)

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 from costmodel.tables import CostTables
+from planner.search.candidates import Config
 from planner.search.pipeline import DEFAULT_MAX_MICRO
 from planner.search.split import kept_activation_bytes
-
-if TYPE_CHECKING:
-    from planner.search.ilp import Config
 
 
 def with_schedules(tables: CostTables, configs: list[Config], schedule: str) -> list[Config]:

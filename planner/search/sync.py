@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from costmodel.compression import shape_sync_s
 from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
-from planner.spec import Link
+from planner.core.cluster import Link
 
 
 def stage_sync_parts(tables: CostTables, bounds: tuple[int, ...]) -> list[tuple[float, list[tuple[float, int]]]]:

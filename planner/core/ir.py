@@ -3,6 +3,10 @@
 Frozen dataclasses serialised to JSON with `schema_version`. A plan file alone is enough to
 inspect, simulate, diff and emit. Same inputs give a byte-identical file: nothing here depends on
 wall-clock time (solver timings live in `solve.json` beside it).
+
+Fields added after a schema's first release are marked `OPTIONAL`: written only when they differ from
+their default, so a plan that uses none of them reads byte for byte as before, and a file without
+them loads with the default.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.errors import PlanFileError
+from planner.core.errors import PlanFileError
 
 SCHEMA_VERSION = 1
+OPTIONAL = {"omit_default": True}    # field metadata: left out of the file at its default
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,15 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
+class ProgramDefaults:
+    """The emitted program's defaults, from `plan`'s options; `plan run` / train.py flags override them."""
+
+    learning_rate: float
+    optimizer: str                                  # adamw | sgd
+    functions: tuple[tuple[str, str], ...] = ()     # contract name -> the model file's name, where renamed
+
+
+@dataclass(frozen=True)
 class Plan:
     inputs: PlanInputs
     global_batch: int
@@ -155,6 +169,7 @@ class Plan:
     solver: SolverFacts
     schema_version: int = SCHEMA_VERSION
     devices: tuple[str, ...] = field(default=())   # per rank: device label
+    program: ProgramDefaults | None = field(default=None, metadata=OPTIONAL)
 
     def stage_of_rank(self, rank: int) -> tuple[ReplicaPlan, StagePlan]:
         for replica in self.replicas:
@@ -164,7 +179,7 @@ class Plan:
         raise KeyError(rank)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True) + "\n"
+        return json.dumps(_to_data(self), indent=1, sort_keys=True) + "\n"
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -193,6 +208,32 @@ class Plan:
         if not p.is_file():
             raise PlanFileError("no plan here", file=str(p), fix="run `plan MODEL --cluster SPEC -o DIR` first")
         return Plan.from_json(p.read_text(), str(p))
+
+
+def _to_data(value: Any) -> Any:
+    """JSON data of a record: dataclasses as mappings (OPTIONAL fields only where not at their default),
+    tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if f.metadata.get("omit_default") and item == _default_of(f):
+                continue
+            out[f.name] = _to_data(item)
+        return out
+    if isinstance(value, (tuple, list)):
+        return [_to_data(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_data(v) for k, v in value.items()}
+    return value
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
 
 
 def _build(tp: Any, value: Any) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from planner.errors import PassError
+from planner.core.errors import PassError
 
 _ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
 SCHEDULES = ("1f1b", "gpipe")

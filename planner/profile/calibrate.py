@@ -1,13 +1,13 @@
 """`plan profile`: measure this machine's device and write a calibration file.
 
-Runs `max(concurrency, 2)` worker processes (`costmodel.calibrate_worker`) on gloo (a free local
+Runs `max(concurrency, 2)` worker processes (`planner.profile.calibrate_worker`) on gloo (a free local
 port, a short collective timeout); the first `concurrency` of them run every compute benchmark at the
 same time, so the figures describe one rank of a job with that many processes sharing the host (the
 emitted program on CPU runs one single-threaded process per device); on a CPU they are timed in CPU
 seconds and windows of CPU-bound work on all of them at once give the share of a core each gets
 (`host_sharing.contention_factor`). Pairs of workers, then all of them, measure point-to-point (also
 while the others compute, as in a pipeline) and all-reduce; with `--model`, the computing workers train
-the model together for a few steps (`costmodel.modelbench`). This parent fits the medians over workers
+the model together for a few steps (`planner.profile.modelbench`). This parent fits the medians over workers
 and writes the JSON that `costmodel.calibration.load_calibration` reads, with the load other processes
 put on the host meanwhile (`host_load`). Children are reaped on success, failure or timeout.
 """
@@ -154,7 +154,7 @@ def _spawn(procs: list[tuple[subprocess.Popen[bytes], Any]], world: int, port: i
            concurrency: int, device: str, models: tuple[str, ...]) -> None:
     """Start the workers, appending each (process, log file) to `procs` as soon as it runs."""
     for rank in range(world):
-        cmd = [sys.executable, "-m", "costmodel.calibrate_worker", "--rank", str(rank), "--world", str(world),
+        cmd = [sys.executable, "-m", "planner.profile.calibrate_worker", "--rank", str(rank), "--world", str(world),
                "--port", str(port), "--dir", tmp, "--concurrency", str(concurrency), "--device", device]
         cmd += ["--quick"] if quick else []
         for m in models:

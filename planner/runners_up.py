@@ -9,18 +9,11 @@ metis). Each is simulated (backends.sim) as the chosen plan is, so they compare 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
-from backends.report.terminal import format_time
+from backends.report.text import layout, signed_time
 from backends.sim import simulate_plan
-from planner.ir import Plan, RunnerUp
-from planner.spec import ClusterSpec
-
-
-def layout(plan: Plan) -> str:
-    """Replicas as `group:stages x count`, largest first: `a100:2st x4 + v100:4st x1`."""
-    shapes = Counter((r.node_group, len(r.stages)) for r in plan.replicas)
-    return " + ".join(f"{g}:{s}st x{n}" for (g, s), n in sorted(shapes.items(), key=lambda kv: (-kv[1], kv[0])))
+from planner.core.cluster import ClusterSpec
+from planner.core.ir import Plan, RunnerUp
 
 
 def why_slower(chosen: Plan, chosen_sim_s: float, other: Plan, other_sim_s: float) -> str:
@@ -29,9 +22,9 @@ def why_slower(chosen: Plan, chosen_sim_s: float, other: Plan, other_sim_s: floa
     parts = []
     d_pipe, d_sync = oe.pipeline_s - ce.pipeline_s, oe.sync_s - ce.sync_s
     if abs(d_pipe) >= 0.01 * ce.iteration_s:
-        parts.append(f"pipeline {_signed(d_pipe)} (bubble {oe.bubble_fraction:.0%} vs {ce.bubble_fraction:.0%})")
+        parts.append(f"pipeline {signed_time(d_pipe)} (bubble {oe.bubble_fraction:.0%} vs {ce.bubble_fraction:.0%})")
     if abs(d_sync) >= 0.01 * ce.iteration_s:
-        parts.append(f"gradient sync {_signed(d_sync)}")
+        parts.append(f"gradient sync {signed_time(d_sync)}")
     if other.world_size != chosen.world_size:
         parts.append(f"{other.world_size} devices vs {chosen.world_size}")
     detail = "; ".join(parts) if parts else "same estimate within 1%"
@@ -40,10 +33,6 @@ def why_slower(chosen: Plan, chosen_sim_s: float, other: Plan, other_sim_s: floa
         return (f"{1 / ratio:.2f}x faster in simulation although its estimate is "
                 f"{oe.iteration_s / ce.iteration_s:.2f}x the chosen one's ({detail})")
     return f"{ratio:.2f}x slower: {detail}"
-
-
-def _signed(seconds: float) -> str:
-    return ("+" if seconds >= 0 else "-") + format_time(abs(seconds))
 
 
 def with_runners_up(plan: Plan, alternatives: list[tuple[str, Plan]], spec: ClusterSpec) -> Plan:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from backends.report.terminal import format_time
+from backends.report.text import format_time
 from backends.sim.engine import OPTIMIZER_LABEL, SYNC_LABEL, SimResult, Span
 
 DEFAULT_WIDTH = 100          # characters of the time axis

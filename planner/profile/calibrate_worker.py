@@ -1,8 +1,8 @@
-"""One `plan profile` worker process: `python -m costmodel.calibrate_worker --rank R --world W ...`.
+"""One `plan profile` worker process: `python -m planner.profile.calibrate_worker --rank R --world W ...`.
 
 Joins a gloo group on localhost, records its memory after start-up, runs the benchmarks of
-`costmodel.microbench` in step with the other workers (a barrier before each point), and writes its
-raw measurements to `DIR/rank{R}.json` for the parent (`costmodel.calibrate`) to fit.
+`planner.profile.microbench` in step with the other workers (a barrier before each point), and writes its
+raw measurements to `DIR/rank{R}.json` for the parent (`planner.profile.calibrate`) to fit.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def describe(device: torch.device) -> tuple[str, str]:
     """(catalog name guess, hardware description) of the device measured."""
     if device.type == "cuda":
-        from planner.spec import load_catalog
+        from costmodel.catalog import load_catalog
 
         description = torch.cuda.get_device_name(device)
         names = [n for n in load_catalog() if n.split("-")[0].lower() in description.lower()]
@@ -87,8 +87,8 @@ def worker_main(argv: list[str]) -> int:
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=WORKER_COLLECTIVE_TIMEOUT_S))
     result: dict[str, Any] = {"torch_process_group_bytes": _peak_rss_bytes()}
-    from costmodel import microbench as mb
-    from costmodel.calibrate import (
+    from planner.profile import microbench as mb
+    from planner.profile.calibrate import (
         CONTENTION_WINDOW_S,
         CONTENTION_WINDOWS,
         FULL_REPEATS,
@@ -120,7 +120,7 @@ def worker_main(argv: list[str]) -> int:
         result["contention"] = [in_step(lambda: mb.measure_contention(CONTENTION_WINDOW_S)) for _ in range(windows)]
     solo = [dist.new_group([r]) for r in range(args.world)][args.rank]   # new_group is collective
     result["optimizer"] = in_step(lambda: mb.measure_update(device, args.quick, repeats, solo))
-    from costmodel.modelbench import computing_group, measure_model
+    from planner.profile.modelbench import computing_group, measure_model
 
     group, ranks = computing_group(args.world, args.concurrency)
     result["models"] = [in_step(lambda m=m: measure_model(m, device, repeats, MODEL_MICRO_BATCHES, group, ranks))

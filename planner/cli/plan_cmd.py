@@ -1,28 +1,18 @@
-"""`plan`: the command line. Typed options at the edge; domain errors become one line + exit code.
-
-    plan MODEL.py --cluster SPEC.yaml [-o OUT]     trace, cost, solve, verify, emit
-    plan inspect OUT                               summary of a plan
-    plan run OUT [--steps N --seed S --lr X]       run the emitted program locally (torchrun)
-    plan profile [--out FILE] [--model M] [--quick]  measure this machine; `plan --calibration FILE` uses it
-"""
+"""`plan MODEL.py --cluster SPEC.yaml -o OUT`: trace, cost, solve, verify, emit."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
+import dataclasses
+import json
 from pathlib import Path
 
-from planner import schedule
-from planner.errors import HetplanError, PlanFileError
+from planner.cli.output_dir import write_atomically
+from planner.core import schedule
+from planner.core.ir import ProgramDefaults
 
-SUBCOMMANDS = ("inspect", "run", "profile")
 
-
-def _plan_parser() -> argparse.ArgumentParser:
+def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plan", description="Plan training of MODEL on a heterogeneous cluster "
                                 "and emit a torch.distributed program. Subcommands: inspect OUT, run OUT.")
     p.add_argument("model", help="model file defining model() and batch(batch_size, step)")
@@ -65,31 +55,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _write_atomically(out: Path, fill) -> None:
-    """Build the output in a temporary sibling directory, then swap it in."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        fill(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def cmd_plan(argv: list[str]) -> int:
+    args = plan_parser().parse_args(argv)
+    # the planner is imported once the arguments are known good: `plan --help` needs no torch
     from backends.report.terminal import summary
     from backends.torchdist.emit import emit_program
     from planner.api import PlanOptions, plan
 
-    args = _plan_parser().parse_args(argv)
     names = {"model": args.model_fn, "batch": args.batch_fn, "loss_fn": args.loss_fn}
     options = PlanOptions(global_batch=args.global_batch, strategy=args.strategy, precision=args.precision,
                           stages=args.stages, memory_margin=args.memory_margin, schedule=args.schedule,
@@ -100,94 +72,21 @@ def cmd_plan(argv: list[str]) -> int:
                           objective=args.objective, optimizer=args.optimizer,
                           names={k: v for k, v in names.items() if v != k})
     result = plan(args.model, args.cluster, options)
-    text = summary(result.plan)
+    planned = dataclasses.replace(result.plan, program=ProgramDefaults(
+        learning_rate=args.lr, optimizer=args.optimizer, functions=tuple(sorted(options.names.items()))))
+    text = summary(planned)
 
     def fill(tmp: Path) -> None:
-        result.plan.save(tmp / "plan.json")
+        planned.save(tmp / "plan.json")
         (tmp / "summary.txt").write_text(text)
         (tmp / "solve.json").write_text(_timings_json(result.timings_s))
-        emit_program(result.plan, Path(args.model), tmp / "program", names=options.names, lr=args.lr,
+        emit_program(planned, Path(args.model), tmp / "program", names=options.names, lr=args.lr,
                      optimizer=args.optimizer)
 
-    _write_atomically(Path(args.out), fill)
+    write_atomically(Path(args.out), fill)
     print(text + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
     return 0
 
 
 def _timings_json(timings: dict[str, float]) -> str:
-    import json
-
     return json.dumps({k: round(v, 6) for k, v in timings.items()}, indent=1, sort_keys=True) + "\n"
-
-
-def cmd_inspect(argv: list[str]) -> int:
-    from backends.report.terminal import memory_table, runners_up_section, simulation_section, summary
-    from planner.ir import Plan
-    from planner.spec import load_cluster
-
-    p = argparse.ArgumentParser(prog="plan inspect", description="Show a plan.")
-    p.add_argument("out", help="plan directory (or plan.json)")
-    p.add_argument("--cluster", default=None, help="cluster spec for the simulated Gantt chart "
-                   "(default: the one the plan was made for, if it is still there)")
-    args = p.parse_args(argv)
-    plan = Plan.load(args.out)
-    print(summary(plan))
-    print(runners_up_section(plan) + "\n")
-    print(memory_table(plan) + "\n")
-    spec_path = args.cluster or plan.inputs.cluster_path
-    if spec_path and Path(spec_path).is_file():
-        print(simulation_section(plan, load_cluster(spec_path)))
-    else:
-        print(f"(no simulation: cluster spec {spec_path or '?'} not found; pass --cluster)")
-    return 0
-
-
-def cmd_run(argv: list[str]) -> int:
-    from planner.ir import Plan
-
-    p = argparse.ArgumentParser(prog="plan run", description="Run the emitted program on this machine.")
-    p.add_argument("out", help="plan directory")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=None)
-    p.add_argument("--save-final", action="store_true")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    program = out / "program" / "train.py"
-    if not program.is_file():
-        raise PlanFileError("no emitted program", file=str(program), fix=f"run `plan MODEL --cluster SPEC -o {out}`")
-    plan = Plan.load(out / "program" / "plan.json")
-    run_dir = out / "run"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(plan.world_size), str(program), "--steps", str(args.steps), "--seed", str(args.seed),
-           "--out", str(run_dir)]
-    if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
-    if args.optimizer:
-        cmd += ["--optimizer", args.optimizer]
-    if args.save_final:
-        cmd.append("--save-final")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        if argv and argv[0] in SUBCOMMANDS:
-            from planner.profile_cmd import cmd_profile
-
-            return {"inspect": cmd_inspect, "run": cmd_run, "profile": cmd_profile}[argv[0]](argv[1:])
-        return cmd_plan(argv)
-    except HetplanError as exc:
-        print(f"plan: error: {exc.one_line()}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

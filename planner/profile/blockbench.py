@@ -17,7 +17,7 @@ more per op on CPU: measured here, ~10 us for a small transpose). Floating input
 accumulate their gradients from one repetition to the next (as over a step's micro-batches, and as the
 weights of `microbench.measure_case` do), while an activation's gradient is taken anew each time.
 
-Timing follows `costmodel.microbench` (`fwd_bwd_times_s`: `disturb()` before every repetition, medians,
+Timing follows `planner.profile.microbench` (`fwd_bwd_times_s`: `disturb()` before every repetition, medians,
 CPU seconds of this process on a CPU device, wall seconds with a device synchronise on CUDA).
 """
 
@@ -32,10 +32,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from costmodel.microbench import CHAIN_OPS, fwd_bwd_times_s
-from costmodel.ops import OpCount, OpCounter, op_name
+from costmodel.ops import OpCounter, op_name
 from passes.split import StageSplit, split_stages
 from planner import frontend
+from planner.core.blocks import OpCount
+from planner.profile.microbench import CHAIN_OPS, fwd_bwd_times_s
 
 
 @dataclass(frozen=True)

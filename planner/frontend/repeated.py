@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from planner.replicate import StackMismatch, replicate_stack
+from planner.frontend.replicate import StackMismatch, replicate_stack
 
 REPLICATED_KEY = "hetplan.replicated"
 HEAD = 4                    # children traced: child 0 may differ; 1..3 show the period twice

@@ -205,7 +205,7 @@ def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: 
     gloo group, so without any transfer; then AdamW step and zero_grad(set_to_none=False). Timed on
     `work_clock`."""
     from backends.torchdist.gradsync import GradientSync
-    from planner.ir import GradGroup
+    from planner.core.ir import GradGroup
 
     shapes = ((2, 256), (16, 256), (32, 1024), (4, 65536)) if quick else \
         ((2, 256), (8, 256), (32, 256), (48, 1024), (4, 65536), (16, 16384))

@@ -5,7 +5,7 @@ the model file's `batch()`, forward with its loss, backward, synchronise the gra
 emitted program's own code (`GradientSync`) over the computing workers, AdamW step and zero_grad.
 Each phase is timed inside that loop, so every measurement carries what surrounds it in a real step
 (caches left cold by the other phases and processes, a collective entered right after compute) -
-which microbenchmarks in a loop miss (see `costmodel.microbench`). The micro-batch sizes alternate
+which microbenchmarks in a loop miss (see `planner.profile.microbench`). The micro-batch sizes alternate
 over `MODEL_ROUNDS` rounds, so that changes of load hit them alike.
 
 Compute phases (batch, forward, backward, update) are timed in CPU seconds (`microbench.work_clock`;
@@ -43,7 +43,7 @@ def measure_model(path: str, device: torch.device, repeats: int, micro_batches: 
     from costmodel.calibration import model_key
     from planner import frontend
     from planner.api import trace_model_file
-    from planner.ir import GradGroup
+    from planner.core.ir import GradGroup
 
     model_file = frontend.load_model_file(path)
     _, blocks, _ = trace_model_file(model_file)
@@ -88,8 +88,8 @@ def large_micro_batch(model_file: Any, traced: dict[int, Any], device: torch.dev
     traced sizes, the smallest agreed over the group (every worker must run the same sizes in step)."""
     import math
 
-    from costmodel.microbench import work_clock
     from planner import frontend
+    from planner.profile.microbench import work_clock
 
     clock = work_clock(device)
     costs = []
@@ -117,8 +117,8 @@ def _one_step(model_file: Any, gm: Any, rows: int, step: int, device: torch.devi
     on the work clock, gradient sync and the whole step on the wall clock."""
     import time
 
-    from costmodel.microbench import work_clock
     from planner import frontend
+    from planner.profile.microbench import work_clock
 
     clock = work_clock(device)
     step_start = time.perf_counter()

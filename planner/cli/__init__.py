@@ -1,0 +1,7 @@
+"""The command line: `plan` (planner.cli.main dispatches to one module per command)."""
+
+from __future__ import annotations
+
+from planner.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,53 @@
+"""Block records: what the blocks pass finds in the graph, and what the cost model prices.
+
+An `OpCount` is one operator's device-independent cost (costmodel.ops counts it); a `Block` is a
+contiguous run of compute nodes, the unit the search assigns to stages (passes.blocks makes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """What one node costs, independent of the device."""
+
+    op_class: str            # matmul | conv | attention | elementwise | view | other
+    fwd_flops: float
+    bwd_flops: float
+    fwd_bytes: float         # bytes read + written by the forward op
+    out_bytes: float         # bytes of the op's output (what a stage boundary would carry)
+
+
+
+@dataclass(frozen=True)
+class Block:
+    """A contiguous run of compute nodes; the unit the search assigns to stages."""
+
+    index: int
+    first_node: str
+    last_node: str
+    label: str                       # the module path most of its nodes come from
+    ops: tuple[OpCount, ...]
+    params: tuple[str, ...]          # trainable parameters (get_attr targets) the block reads
+    param_sizes: tuple[float, ...]   # bytes of each of those parameters
+    boundary_bytes: float            # activations live after the block (what a cut here sends)
+    signature: str                   # equal for structurally identical blocks
+
+    @property
+    def param_bytes(self) -> float:
+        return sum(self.param_sizes)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(o.fwd_flops for o in self.ops)
+
+    @property
+    def bwd_flops(self) -> float:
+        return sum(o.bwd_flops for o in self.ops)
+
+    @property
+    def activation_bytes(self) -> float:
+        """Bytes kept for backward: outputs of non-view ops (an upper estimate)."""
+        return sum(o.out_bytes for o in self.ops if o.op_class != "view")

@@ -1,0 +1,82 @@
+"""What the search chooses among and what it returns: a candidate configuration (one pipeline shape
+with its stage split), a choice of replicas of one, and a solution (the chosen replicas with their
+estimates and the solver's facts). Plain records: every strategy builds them, `assemble` reads them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.core.units import NS_PER_S
+from planner.search.pipeline import pipeline_s
+from planner.search.split import Split
+
+
+@dataclass(frozen=True)
+class Config:
+    cls: int
+    num_stages: int
+    micro_batch: int
+    split: Split
+    optimizer_s: float
+    intra_node: bool            # the whole pipeline sits inside one node
+    # per stage, when the pipeline spans device classes (planner.search.hetero); else all `cls`
+    stage_classes: tuple[int, ...] = ()
+    schedule: str = "1f1b"          # one of planner.core.schedule.SCHEDULES
+    # GPipe keeps every micro-batch's activations: the most micro-batches that fit (None: no limit)
+    max_micro_batches: int | None = None
+
+    @property
+    def classes(self) -> tuple[int, ...]:
+        """The device class of each stage."""
+        return self.stage_classes or (self.cls,) * self.num_stages
+
+    def devices_of(self, cls: int) -> int:
+        """Devices of class `cls` one replica takes."""
+        return self.classes.count(cls)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What a replica occupies: the class of each stage (a single class's shape is (c,) * S)."""
+        return self.classes
+
+    def replica_time_s(self, micro_batches: int) -> float:
+        """One replica's iteration with M micro-batches: its schedule's makespan
+        (planner.search.pipeline), then the optimizer."""
+        sp = self.split
+        return pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s
+
+    def micro_batch_counts(self, global_batch: int, most: int) -> range:
+        """The micro-batch counts a replica of this configuration may run: up to `most`, no more than
+        the global batch needs, and within the schedule's memory."""
+        limit = min(most, math.ceil(global_batch / self.micro_batch))
+        if self.max_micro_batches is not None:
+            limit = min(limit, self.max_micro_batches)
+        return range(1, limit + 1)
+
+    def replica_time_ns(self, micro_batches: int) -> int:
+        return to_ns(self.replica_time_s(micro_batches))
+
+
+@dataclass(frozen=True)
+class Choice:
+    config: Config
+    replicas: int
+    share: int                  # samples per replica before trimming the excess
+
+
+@dataclass(frozen=True)
+class Solution:
+    choices: tuple[Choice, ...]
+    pipeline_s: float
+    sync_s: float
+    objective_s: float
+    bound_s: float
+    status: str
+    configurations: int
+    one_node: bool
+
+
+def to_ns(seconds: float) -> int:
+    """Seconds on the solver's integer clock (nanoseconds, never negative)."""
+    return max(0, round(seconds * NS_PER_S))

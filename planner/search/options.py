@@ -1,0 +1,21 @@
+"""What the search is asked: the strategy and the constraints a user may put on it.
+
+The API fills these in from the user's `PlanOptions`; the search reads nothing else of the user's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.search.solver import SolverSettings
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    strategy: str = "ilp"              # ilp | exact | a baseline (planner.search.baselines.SOLVERS)
+    stages: int | None = None          # force the pipeline depth of every replica
+    micro_batch: int | None = None     # force the micro-batch size
+    use_all_devices: bool = False      # every device must serve a stage
+    schedule: str = "auto"             # auto (chosen per replica) | 1f1b | gpipe
+    objective: str = "time"            # time per iteration | cost per sample
+    solver: SolverSettings = field(default_factory=SolverSettings)
