@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:   # runnable as `python benchmarks/convergence.py` from anywhere
     sys.path.insert(0, str(REPO))
 
+from backends.torchdist.program.metrics import read_metrics  # noqa: E402
 from costmodel.compression import GRADIENT_COMPRESSORS, onebit_adam_freeze_step  # noqa: E402
 
 MODEL = REPO / "examples" / "gpt" / "model.py"
@@ -81,14 +82,14 @@ def plan_program(out: Path, compression: str, *, stages: int = 1, extra: tuple[s
 
 def run_program(out: Path, steps: int, *, lr: float, optimizer: str = "adamw", seed: int = 0) -> list[dict]:
     """`plan run OUT`; returns the metrics lines (one per rank and step)."""
-    env = {**os.environ, "HETPLAN_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps), "--seed", str(seed),
-           "--lr", str(lr), "--optimizer", optimizer]
+           "--lr", str(lr), "--optimizer", optimizer, "--timeout", str(COLLECTIVE_TIMEOUT_S)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=RUN_TIMEOUT_S,
                           start_new_session=True)
     if proc.returncode:
         raise RuntimeError(f"run failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(out / "run" / "metrics.jsonl")
 
 
 def train(compressor: str, steps: int, lr: float, optimizer: str, workdir: Path) -> RunResult:

@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:   # runnable as `python benchmarks/fidelity.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from planner.profile.calibrate import OtherLoad, reference_work_s  # noqa: E402
+from backends.torchdist.program.metrics import read_metrics  # noqa: E402
+from planner.profiling.calibrate import OtherLoad, reference_work_s  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 CLUSTERS = {"hetero": EXAMPLES / "clusters" / "cpu-hetero-4.yaml",
@@ -213,8 +214,8 @@ def run_configuration(config: Configuration, steps: int, quiet_wait_s: float, re
         before = wait_until_ready(quiet_wait_s, reference_s)
         load = os.getloadavg()[0]
         with OtherLoad() as other:
-            _cli("run", str(config.out), "--steps", str(steps),
-                 env={"HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"})
+            _cli("run", str(config.out), "--steps", str(steps), "--timeout", "60",
+                 env={"OMP_NUM_THREADS": "1"})
         after = reference_work_s() / reference_s if reference_s else 1.0
         timed, peak = _read_metrics(config.out / "run" / "metrics.jsonl", config.plan["world_size"])
         runs.append(Run(timed, peak, load, other.cores or 0.0, 1, (before + after) / 2))
@@ -240,7 +241,7 @@ def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
     """Step times after warm-up (per step, the slowest rank's) and each rank's peak memory."""
     per_step: dict[int, float] = {}
     peak = [0.0] * world
-    for m in (json.loads(line) for line in path.read_text().splitlines()):
+    for m in read_metrics(path):
         per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
         peak[m["rank"]] = max(peak[m["rank"]], float(m["peak_memory_bytes"]))
     return [t for step, t in sorted(per_step.items()) if step >= WARMUP_STEPS], peak

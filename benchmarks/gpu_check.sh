@@ -133,7 +133,8 @@ if single:
 plan = load("gpu_program_gpt/plan.json")
 metrics_path = dest / "gpu_program_gpt" / "run" / "metrics.jsonl"
 if plan and metrics_path.is_file():
-    metrics = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    from backends.torchdist.program.metrics import read_metrics   # an incomplete last line is skipped
+    metrics = read_metrics(metrics_path)
     timed = [m["step_time_s"] for m in metrics if m["step"] >= WARMUP_STEPS]
     if timed:
         measured = statistics.median(timed)

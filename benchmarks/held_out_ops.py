@@ -1,5 +1,5 @@
 """Op benchmark points that `plan profile` does not fit on: other shapes of the same op classes as
-`planner.profile.microbench.compute_cases` (odd sizes, more rows, wider layers, other head sizes), timed the same
+`planner.profiling.microbench.compute_cases` (odd sizes, more rows, wider layers, other head sizes), timed the same
 way (`microbench.measure_case`). Predicting these with a calibration is out of sample; predicting
 `compute_cases` would only read back the fit.
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from planner.profile.microbench import Case, rand
+from planner.profiling.microbench import Case, rand
 
 aten = torch.ops.aten
 

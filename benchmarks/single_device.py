@@ -5,7 +5,7 @@
 
 Levels, each forward and backward:
 - op: held-out shapes of every op class (`held_out_ops`: shapes the profile did not fit on) and the
-  distinct aten calls of every example model's graph with their real shapes (`planner.profile.blockbench`);
+  distinct aten calls of every example model's graph with their real shapes (`planner.profiling.blockbench`);
   predicted as the plan charges an op: its time at the class's rate plus half its launch overhead in
   each phase (`planner.search.split.block_phases_s` splits a stage's overhead evenly);
 - block: every planner block of examples/{gpt,mlp,resnet} at a micro-batch size, run alone on real
@@ -66,10 +66,10 @@ from planner.api import DEFAULT_TRACE_BATCH, trace_model_file  # noqa: E402
 from planner.core.blocks import OpCount  # noqa: E402
 from planner.core.cluster import ClusterSpec, DeviceType, NodeGroup  # noqa: E402
 from planner.core.errors import HetplanError  # noqa: E402
-from planner.profile import blockbench  # noqa: E402
-from planner.profile import microbench as mb  # noqa: E402
-from planner.profile.calibrate import FULL_REPEATS, QUICK_REPEATS, OtherLoad, reference_work_s  # noqa: E402
-from planner.profile.calibrate_worker import DTYPES, describe  # noqa: E402
+from planner.profiling import blockbench  # noqa: E402
+from planner.profiling import microbench as mb  # noqa: E402
+from planner.profiling.calibrate import FULL_REPEATS, QUICK_REPEATS, OtherLoad, reference_work_s  # noqa: E402
+from planner.profiling.calibrate_worker import DTYPES, describe  # noqa: E402
 from planner.search.split import block_phases_s  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -218,7 +218,7 @@ def op_rates_only(path: Path) -> Calibration:
 def profile_now(device_kind: str, quick: bool, out: Path, quiet_wait_s: float) -> Path:
     """`plan profile` (one computing process, no model) into `out`, once the host is quiet; repeated (up to
     `ATTEMPTS` times, not with `quick`) while the host's speed moved during it, as benchmarks/fidelity.py."""
-    from planner.profile.calibrate import profile, write_calibration
+    from planner.profiling.calibrate import profile, write_calibration
 
     for attempt in range(1, ATTEMPTS + 1):
         if quiet_wait_s > 0:
@@ -332,7 +332,7 @@ def run(argv: list[str]) -> int:
     rows = combine_passes([p.rows for p in passes])
     host = {"passes": [p.host for p in passes],
             "what": "per pass: load average before; other processes' cores while measuring; reference work time "
-                    "(planner.profile.calibrate.reference_work_s) before the held-out ops, before each model and at "
+                    "(planner.profiling.calibrate.reference_work_s) before the held-out ops, before each model and at "
                     "the "
                     "end / in the profile"}
     summary = summarise(rows)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from statistics import mean, median
 from typing import Any
 
-from planner.profile.blockbench import PhaseTimes
+from planner.profiling.blockbench import PhaseTimes
 
 PHASES = ("fwd", "bwd", "total")
 LEVELS = ("op", "block", "model")
@@ -28,7 +28,7 @@ class Row:
     name: str
     measured: PhaseTimes
     predicted: Mapping[str, PhaseTimes]   # by flavour
-    timed_as: str = ""               # ops: "chain" or "copies" (planner.profile.blockbench, microbench.measure_case)
+    timed_as: str = ""               # ops: "chain" or "copies" (planner.profiling.blockbench, microbench.measure_case)
     passes: tuple[PhaseTimes, ...] = ()   # each measurement pass (`measured` is their mean)
 
     def error(self, flavour: str, phase: str) -> float | None:

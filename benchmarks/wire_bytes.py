@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from backends.torchdist.gradsync import group_payload_bytes  # noqa: E402
+from backends.torchdist.program.gradsync import group_payload_bytes  # noqa: E402
 from benchmarks.convergence import MODEL, plan_program, run_program, table  # noqa: E402
 from costmodel import activation_compression as activation_costs  # noqa: E402
 from costmodel import compression as costs  # noqa: E402

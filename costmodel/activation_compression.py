@@ -1,13 +1,18 @@
 """Activation compression on pipeline links: what each compressor puts on the wire and costs.
 
 `fp16`/`bf16` casts (only where activations are wider than 2 bytes) and block-wise `int8` (one fp32
-scale per INT8_BLOCK_ELEMS elements, backends.torchdist.activations); both the forward activations
-and the backward gradients travel compressed. Kernel time is the bytes the encode and decode
-kernels read and write over the achieved memory bandwidth plus their launches.
+scale per `block_elems` elements, INT8_BLOCK_ELEMS by default, backends.torchdist.activations); both
+the forward activations and the backward gradients travel compressed. Kernel time is the bytes the
+encode and decode kernels read and write over the achieved memory bandwidth plus their launches.
+
+The search prices every cut of a pipeline with the compressor the policy picks on it (`CutCodec`,
+`cut_transfer`: planner.search.split's per-micro-batch transfer), assembly records that choice on
+the plan's edge, and the simulator costs the recorded compressor the same way (`activation_cost`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,13 +50,13 @@ class ActivationCost:
     time_s: float             # both directions: link time + encode/decode kernels
 
 
-def activation_wire_bytes(name: str, nbytes: float, element_bytes: int) -> float:
+def activation_wire_bytes(name: str, nbytes: float, element_bytes: int, block_elems: int = INT8_BLOCK_ELEMS) -> float:
     """Bytes on the wire for `nbytes` of activations of `element_bytes`-byte elements."""
     n = nbytes / element_bytes
     if name in ("fp16", "bf16") and element_bytes > HALF_BYTES:
         return n * HALF_BYTES
     if name == "int8" and element_bytes > INT8_BYTES:
-        return n * INT8_BYTES + math.ceil(n / INT8_BLOCK_ELEMS) * SCALE_BYTES
+        return n * INT8_BYTES + math.ceil(n / block_elems) * SCALE_BYTES
     return nbytes
 
 
@@ -64,14 +69,37 @@ def activation_applies(name: str, element_bytes: int) -> bool:
     return True
 
 
+def activation_cost(name: str, nbytes: float, element_bytes: int, link: Link, bandwidth_bytes_s: float,
+                    launch_s: float = 0.0, block_elems: int = INT8_BLOCK_ELEMS) -> ActivationCost:
+    """Compressor `name` on `nbytes` per micro-batch over `link`, its kernels streaming at
+    `bandwidth_bytes_s` and costing `launch_s` per launch."""
+    wire = activation_wire_bytes(name, nbytes, element_bytes, block_elems)
+    kernel = _KERNEL_BYTES[name] * nbytes / element_bytes / bandwidth_bytes_s + _LAUNCHES[name] * launch_s
+    return ActivationCost(name, wire, 2 * (link.transfer_s(wire) + kernel))
+
+
 def choose_activation(policy: str, nbytes: float, element_bytes: int, link: Link,
                       bandwidth_bytes_s: float, launch_s: float = 0.0) -> ActivationCost:
     """The fastest compressor the policy allows for `nbytes` per micro-batch on `link`."""
     names = [n for n in activation_options(policy) if activation_applies(n, element_bytes)] or ["none"]
-    costs = []
-    for name in names:
-        wire = activation_wire_bytes(name, nbytes, element_bytes)
-        kernel = _KERNEL_BYTES[name] * nbytes / element_bytes / bandwidth_bytes_s \
-            + _LAUNCHES[name] * launch_s
-        costs.append(ActivationCost(name, wire, 2 * (link.transfer_s(wire) + kernel)))
+    costs = [activation_cost(name, nbytes, element_bytes, link, bandwidth_bytes_s, launch_s) for name in names]
     return min(costs, key=lambda c: c.time_s)
+
+
+@dataclass(frozen=True)
+class CutCodec:
+    """Activation compression on one pipeline cut: the policy, and the kernel figures of the cut's
+    slower end (least bandwidth, most launch overhead of the two stages' devices)."""
+
+    policy: str
+    kernel_bandwidth_bytes_s: float
+    launch_s: float
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def cut_transfer(codec: CutCodec, bandwidth_bytes_s: float, latency_s: float, nbytes: float,
+                 element_bytes: int) -> ActivationCost:
+    """What the policy picks for one micro-batch of `nbytes` over a cut of this link (cached: the
+    split's dynamic programme asks for every block at every cut)."""
+    link = Link("cut", bandwidth_bytes_s, latency_s)
+    return choose_activation(codec.policy, nbytes, element_bytes, link, codec.kernel_bandwidth_bytes_s, codec.launch_s)

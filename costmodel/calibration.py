@@ -1,6 +1,6 @@
 """Calibration: what `plan profile` measured on a device, as a typed record the cost model reads.
 
-The JSON file (written by `planner.profile.calibrate`, read by `load_calibration`) carries units in its
+The JSON file (written by `planner.profiling.calibrate`, read by `load_calibration`) carries units in its
 keys. Loading validates every field and raises `CalibrationError` naming the file and the field, so
 the costmodel functions only ever see a `Calibration` (never a path, never a dict).
 

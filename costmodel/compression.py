@@ -34,24 +34,37 @@ pass by pass in the `_*_BYTES` constants) + its kernel launches x the device's p
 reference (every method shares the flattening into buckets). State: error feedback is one fp32
 copy of the gradient per error buffer.
 
-Activation compressors on pipeline links are costed in costmodel.activation_compression (the
-sizes they share, e.g. INT8_BLOCK_ELEMS, are defined here).
+Activation compressors on pipeline links are costed in costmodel.activation_compression.
+
+The settings above (bucket size, PowerSGD's rank, minimum rate and start, 1-bit Adam's warm-up;
+defaults in costmodel.constants) are priced as `settings_of(name)` gives them, and a plan records
+that same record on each gradient group (planner.core.ir.CompressorSettings) for the program to run.
 
 The search sees these figures as part of the costed problem: `CompressedCostTables` extends
 `costmodel.tables.CostTables` with a `CompressionTable` (policies, parameter shapes per block,
-kernel bandwidth per device class).
+kernel bandwidth per device class). A compressor with state is chosen only where its state fits
+beside its members' memory (costmodel.compression_memory; `allowed` below).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 from costmodel import constants as C
+from costmodel.constants import GRAD_BUCKET_CAP_BYTES as GRAD_BUCKET_CAP_BYTES
+from costmodel.constants import INT8_BLOCK_ELEMS as INT8_BLOCK_ELEMS
+from costmodel.constants import ONEBIT_ADAM_WARMUP_FRACTION as ONEBIT_ADAM_WARMUP_FRACTION
+from costmodel.constants import POWERSGD_MIN_COMPRESSION_RATE as POWERSGD_MIN_COMPRESSION_RATE
+from costmodel.constants import POWERSGD_RANK as POWERSGD_RANK
+from costmodel.constants import POWERSGD_START_ITER as POWERSGD_START_ITER
 from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
 from planner.core.cluster import DeviceType, Link
+from planner.core.ir import CompressorSettings
+from planner.core.ir import bucket_ranges as bucket_ranges
 
 Shape = tuple[int, ...]
 
@@ -67,32 +80,11 @@ INT8_BYTES = 1
 SCALE_BYTES = 4                      # one float32 scale (1-bit: per bucket; int8: per block)
 BITS_PER_BYTE = 8
 
-GRAD_BUCKET_CAP_BYTES = 25 * 2**20
-"""Gradient bucket size: torch DDP's default `bucket_cap_mb=25`."""
-POWERSGD_RANK = 4
-"""PowerSGD matrix approximation rank. Vogels et al., "PowerSGD" (NeurIPS 2019), reach the accuracy
-of uncompressed SGD with rank 2-4 on ResNet/LSTM; with rank 4 the bundled GPT ends 200 steps within
-4% of the uncompressed loss under AdamW and SGD (benchmarks/convergence.py)."""
-POWERSGD_MIN_COMPRESSION_RATE = 2.0
-"""Compress a matrix only if it shrinks at least this much: torch `PowerSGDState` default."""
-POWERSGD_START_ITER = 2
-"""Vanilla all-reduce steps before PowerSGD starts (torch requires > 1 with error feedback and
-warm start); the cost model gives the steady state after them."""
-ONEBIT_ADAM_WARMUP_FRACTION = 0.25
-"""1-bit Adam's exact AdamW warm-up, as a fraction of the run (backends.compression.onebit_adam).
-DeepSpeed's 1-bit Adam tutorial suggests 15-25% of the training steps for its `freeze_step`: the
-variance may be frozen only once it is stable. On the 200-step convergence benchmark the loss leaves
-its initial plateau around step 30-40, when attention and embedding gradients grow 100x and more:
-freezing at step 10 diverged (NaN), at 20 ended 53% above uncompressed, at 40, 50, 60 within 3%."""
 
-
-def onebit_adam_freeze_step(total_steps: int) -> int:
+def onebit_adam_freeze_step(total_steps: int, warmup_fraction: float = ONEBIT_ADAM_WARMUP_FRACTION) -> int:
     """Exact AdamW steps before 1-bit Adam freezes the variance, in a run of `total_steps` steps."""
-    return max(1, math.ceil(ONEBIT_ADAM_WARMUP_FRACTION * total_steps))
+    return max(1, math.ceil(warmup_fraction * total_steps))
 
-
-INT8_BLOCK_ELEMS = 256
-"""Elements per int8 quantisation block of activations (one float32 scale each): 1.6% overhead."""
 
 # Kernel bytes read + written per gradient element, pass by pass (backends.compression):
 _CAST_BYTES = (4 + 2) + (2 + 2) + (2 + 4)     # cast to half, divide in place, cast back
@@ -123,24 +115,21 @@ def kernel_bandwidth_bytes_s(device: DeviceType) -> float:
     return device.memory_bandwidth_bytes_s * C.MEMORY_EFFICIENCY
 
 
+def settings_of(name: str) -> CompressorSettings | None:
+    """The runtime settings gradient compressor `name` is priced with and runs with (None: `none`,
+    which has none: one flat all-reduce)."""
+    if name == "none":
+        return None
+    base = CompressorSettings(bucket_cap_bytes=GRAD_BUCKET_CAP_BYTES)
+    if name == "powersgd":
+        return dataclasses.replace(base, rank=POWERSGD_RANK, min_compression_rate=POWERSGD_MIN_COMPRESSION_RATE,
+                                   start_iter=POWERSGD_START_ITER)
+    if name == "onebit":
+        return dataclasses.replace(base, warmup_fraction=ONEBIT_ADAM_WARMUP_FRACTION)
+    return base
+
+
 # ----------------------------------------------------------------------------- gradients
-
-def bucket_ranges(numels: Sequence[int], cap_elems: int) -> list[tuple[int, int]]:
-    """Cut parameters (in order) into buckets of at most `cap_elems` elements ([start, stop) indices).
-
-    A parameter larger than the cap gets a bucket of its own. The runtime buckets the same way.
-    """
-    ranges: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, numel in enumerate(numels):
-        if i > start and size + numel > cap_elems:
-            ranges.append((start, i))
-            start, size = i, 0
-        size += numel
-    if numels:
-        ranges.append((start, len(numels)))
-    return ranges
-
 
 def powersgd_elements(shape: Shape, rank: int = POWERSGD_RANK,
                       min_rate: float = POWERSGD_MIN_COMPRESSION_RATE) -> tuple[int, int, int]:
@@ -199,12 +188,15 @@ class GradientCost:
         return self.comm_s + self.kernel_s
 
 
-def compress_volume(name: str, volume: GradVolume) -> CompressedVolume:
-    """The payload, kernel traffic and state of compressor `name` on `volume` (see module table)."""
+def compress_volume(name: str, volume: GradVolume, settings: CompressorSettings | None = None) -> CompressedVolume:
+    """The payload, kernel traffic and state of compressor `name` on `volume` (see module table), run
+    with `settings` (default: `settings_of(name)`)."""
     if name == "none":
         return CompressedVolume(name, (volume.nbytes,), "ring", 0.0, 0.0, 0.0)
+    settings = settings or settings_of(name)
+    assert settings is not None
     numels = [math.prod(s) for s in volume.shapes]
-    buckets = bucket_ranges(numels, GRAD_BUCKET_CAP_BYTES // FP32_BYTES)
+    buckets = settings.bucket_ranges(numels)
     n = float(sum(numels))
     if name in ("fp16", "bf16"):
         payloads = tuple(float(sum(numels[a:b]) * HALF_BYTES) for a, b in buckets)
@@ -214,7 +206,7 @@ def compress_volume(name: str, volume: GradVolume) -> CompressedVolume:
         payloads_list: list[float] = []
         pq_elems, launches = 0, 0
         for a, b in buckets:
-            parts = [powersgd_elements(s) for s in volume.shapes[a:b]]
+            parts = [powersgd_elements(s, settings.rank, settings.min_compression_rate) for s in volume.shapes[a:b]]
             for column in range(3):   # uncompressed, P, Q: one all-reduce each
                 elems = sum(p[column] for p in parts)
                 if elems:
@@ -261,10 +253,11 @@ def applies(name: str, volume: GradVolume) -> bool:
     return True
 
 
-def candidates(policy: str, volume: GradVolume) -> list[CompressedVolume]:
-    """The compressed volumes a policy lets the planner choose from (never empty)."""
-    names = [n for n in gradient_options(policy) if applies(n, volume)] or ["none"]
-    return [compress_volume(n, volume) for n in names]
+def candidates(policy: str, volume: GradVolume, allowed: Collection[str] | None = None) -> list[CompressedVolume]:
+    """The compressed volumes a policy lets the planner choose from, among `allowed` where given (the
+    compressors whose state fits the members' memory, costmodel.compression_memory); never empty."""
+    names = [n for n in gradient_options(policy) if applies(n, volume) and (allowed is None or n in allowed)]
+    return [compress_volume(n, volume) for n in names or ["none"]]
 
 
 def best_gradient(options: Sequence[CompressedVolume], ranks: int, link: Link, bandwidth_bytes_s: float,
@@ -302,6 +295,14 @@ class CompressionTable:
     def compresses_gradients(self) -> bool:
         return gradient_options(self.gradient_policy) != ("none",)
 
+    def tied_params(self) -> tuple[str, ...]:
+        """Parameters read by more than one block, in the order of `CostTables.tied`."""
+        readers: dict[str, int] = {}
+        for params in self.block_params:
+            for p in dict.fromkeys(params):
+                readers[p] = readers.get(p, 0) + 1
+        return tuple(sorted(p for p, n in readers.items() if n > 1))
+
     def volume(self, params: Iterable[str], nbytes: float) -> GradVolume:
         """The volume of `params` (unknown shapes: vectors of their share of `nbytes`)."""
         shapes = dict(self.param_shapes)
@@ -337,29 +338,26 @@ def compression_of(tables: CostTables) -> CompressionTable:
     return tables.compression if isinstance(tables, CompressedCostTables) else CompressionTable()
 
 
-def shape_sync_s(tables: CostTables, cls: int, stage_blocks: Sequence[range], grad_bytes: float,
-                 replica_counts: Sequence[int], link: Link) -> list[float]:
-    """Gradient sync time of one pipeline shape for each replica count (the ILP's sync staircase).
-
-    Without compression: a ring all-reduce of the heaviest stage's `grad_bytes`. With a policy:
-    per replica count, the slowest of the given stages (the heaviest of each candidate split)
-    under its best allowed compressor.
-    """
+def group_sync_s(tables: CostTables, cls: int, params: Sequence[str], nbytes: float, replica_counts: Sequence[int],
+                 link: Link, allowed: Collection[str] | None = None) -> list[float]:
+    """Sync time of one gradient group of `params` (`nbytes`) over each of `replica_counts` ranks on
+    `link`, on class `cls`'s kernels: what `choose_gradient` picks for it, priced the same way (the
+    ILP's sync staircase). Without compression: a ring all-reduce of `nbytes`."""
     table = compression_of(tables)
     if not table.compresses_gradients:
-        return [ring_allreduce_s(grad_bytes, r, link) for r in replica_counts]
+        return [ring_allreduce_s(nbytes, r, link) for r in replica_counts]
     bandwidth = table.kernel_bandwidth_bytes_s[cls]
     launch = table.kernel_launch_s[cls] if table.kernel_launch_s else 0.0
-    options = [candidates(table.gradient_policy, table.blocks_volume(blocks, tables.grad_bytes))
-               for blocks in stage_blocks]
-    return [max(best_gradient(o, r, link, bandwidth, launch, table.optimizer).time_s for o in options)
-            for r in replica_counts]
+    options = candidates(table.gradient_policy, table.volume(params, nbytes), allowed)
+    return [best_gradient(options, r, link, bandwidth, launch, table.optimizer).time_s for r in replica_counts]
 
 
 def choose_gradient(table: CompressionTable, params: Sequence[str], nbytes: float, ranks: int,
-                    link: Link, bandwidth_bytes_s: float, launch_s: float = 0.0) -> GradientCost:
-    """The compressor of one gradient group under the table's policy, with its cost."""
+                    link: Link, bandwidth_bytes_s: float, launch_s: float = 0.0,
+                    allowed: Collection[str] | None = None) -> GradientCost:
+    """The compressor of one gradient group under the table's policy, among `allowed` where given (the
+    compressors whose state fits every member's memory), with its cost."""
     if not table.compresses_gradients:
         return GradientCost("none", "ring", nbytes, ring_allreduce_s(nbytes, ranks, link), 0.0, 0.0)
-    options = candidates(table.gradient_policy, table.volume(params, nbytes))
+    options = candidates(table.gradient_policy, table.volume(params, nbytes), allowed)
     return best_gradient(options, ranks, link, bandwidth_bytes_s, launch_s, table.optimizer)

@@ -41,3 +41,26 @@ DEFAULT_MEMORY_MARGIN = 0.1
 OPTIMIZER_BYTES_FACTOR = 7.0
 
 BYTES_PER_ELEMENT = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+# ---- compressors' runtime settings: the defaults a plan's compressors are priced with and run with
+# (a plan records them per gradient group and edge, planner.core.ir.CompressorSettings / P2PEdge)
+
+GRAD_BUCKET_CAP_BYTES = 25 * 2**20
+"""Gradient bucket size: torch DDP's default `bucket_cap_mb=25`."""
+POWERSGD_RANK = 4
+"""PowerSGD matrix approximation rank. Vogels et al., "PowerSGD" (NeurIPS 2019), reach the accuracy
+of uncompressed SGD with rank 2-4 on ResNet/LSTM; with rank 4 the bundled GPT ends 200 steps within
+4% of the uncompressed loss under AdamW and SGD (benchmarks/convergence.py)."""
+POWERSGD_MIN_COMPRESSION_RATE = 2.0
+"""Compress a matrix only if it shrinks at least this much: torch `PowerSGDState` default."""
+POWERSGD_START_ITER = 2
+"""Vanilla all-reduce steps before PowerSGD starts (torch requires > 1 with error feedback and
+warm start); the cost model gives the steady state after them."""
+ONEBIT_ADAM_WARMUP_FRACTION = 0.25
+"""1-bit Adam's exact AdamW warm-up, as a fraction of the run (backends.compression.onebit_adam).
+DeepSpeed's 1-bit Adam tutorial suggests 15-25% of the training steps for its `freeze_step`: the
+variance may be frozen only once it is stable. On the 200-step convergence benchmark the loss leaves
+its initial plateau around step 30-40, when attention and embedding gradients grow 100x and more:
+freezing at step 10 diverged (NaN), at 20 ended 53% above uncompressed, at 40, 50, 60 within 3%."""
+INT8_BLOCK_ELEMS = 256
+"""Elements per int8 quantisation block of activations (one float32 scale each): 1.6% overhead."""

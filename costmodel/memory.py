@@ -1,11 +1,27 @@
-"""Memory per device: training state, activations kept per schedule, framework overhead."""
+"""Memory per device: training state, activations kept per schedule, framework overhead, and the one
+rule that says whether a stage fits.
+
+The rule (`fits`) is the same everywhere a plan's memory is judged: the stage split's dynamic
+programme and greedy test, the GPipe micro-batch limit and the compressor choice in the search, the
+per-rank estimate assembly records, and `passes.verify.verify_plan`:
+
+    need     = training state + kept activations + framework + compressor state   (`need_bytes`)
+    capacity = device memory x (1 - margin)                                     (`capacity_bytes`)
+    fits    <=> need <= capacity
+"""
 
 from __future__ import annotations
+
+from typing import TypeVar, overload
+
+import numpy as np
 
 from costmodel import constants as C
 from costmodel.calibration import Calibration
 from costmodel.compute import _is_cpu
 from planner.core.cluster import DeviceType
+
+Bytes = TypeVar("Bytes", float, np.ndarray)
 
 
 def state_bytes(param_bytes_fp32: float, precision: str) -> float:
@@ -35,5 +51,27 @@ def framework_bytes(device: DeviceType, calibration: Calibration | None = None) 
     return C.CPU_FRAMEWORK_OVERHEAD_BYTES if _is_cpu(device) else C.GPU_FRAMEWORK_OVERHEAD_BYTES
 
 
+def capacity_bytes(memory_bytes: float, margin: float) -> float:
+    """What a stage may need on a device of `memory_bytes`: all of it but the margin (fragmentation)."""
+    return memory_bytes * (1.0 - margin)
+
+
 def usable_bytes(device: DeviceType, margin: float) -> float:
-    return device.memory_bytes * (1.0 - margin)
+    """`capacity_bytes` of a device type."""
+    return capacity_bytes(device.memory_bytes, margin)
+
+
+def need_bytes(state: Bytes, activations: Bytes, framework: float, compressor_state: float = 0.0) -> Bytes:
+    """A stage's peak memory: its training state, the activations it keeps, the framework's own memory
+    and its gradient compressors' state (error feedback, PowerSGD's P/Q); elementwise on arrays."""
+    return state + activations + framework + compressor_state
+
+
+@overload
+def fits(need: float, capacity: float) -> bool: ...
+@overload
+def fits(need: np.ndarray, capacity: float) -> np.ndarray: ...
+def fits(need: float | np.ndarray, capacity: float) -> bool | np.ndarray:
+    """The memory rule: a stage that needs `need` bytes fits a device offering `capacity` (elementwise
+    on arrays: numpy booleans)."""
+    return need <= capacity

@@ -26,7 +26,7 @@ class ClassTable:
     per_node: int
     num_nodes: int
     precision: str
-    capacity_bytes: float            # usable memory per device (margin and framework removed)
+    capacity_bytes: float            # memory per device x (1 - margin): what a stage may need (memory.fits)
     fwd_s: tuple[float, ...]         # per block, per sample
     bwd_s: tuple[float, ...]         # per block, per sample
     overhead_s: tuple[float, ...]    # per block, per micro-batch (fwd + bwd launches)
@@ -37,6 +37,13 @@ class ClassTable:
     intra_bandwidth_bytes_s: float
     intra_latency_s: float
     price_per_hour: float | None = None
+    framework_bytes: float = 0.0     # per process before any model state (part of every stage's need)
+
+    @property
+    def model_bytes(self) -> float:
+        """Memory per device left for the model (state, activations, compressor state): capacity less
+        the framework's."""
+        return self.capacity_bytes - self.framework_bytes
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class CostTables:
     # parameters read by more than one block (tied weights): (those blocks, bytes); each block's
     # grad_bytes counts them too
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
+    memory_margin: float = C.DEFAULT_MEMORY_MARGIN   # the capacities' margin, recorded in the plan
 
 
 def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, trace_batch: int,
@@ -78,11 +86,12 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         opt = tuple(compute.optimizer_step_s(b.param_bytes, len(b.params), dev, calibration) for b in blocks)
         if calibration is not None and calibration.matches(dev):
             opt = calibrated.with_step_costs(opt, blocks, global_batch, calibration)
-        capacity = memory.usable_bytes(dev, memory_margin) - memory.framework_bytes(dev, calibration)
+        capacity = memory.usable_bytes(dev, memory_margin)
         intra = calibrated.intra_link(group.intra_link, dev, calibration)
         classes.append(ClassTable(
             name=group.name, device_type=dev.name, num_devices=group.count * group.per_node,
             per_node=group.per_node, num_nodes=group.count, precision=prec, capacity_bytes=capacity,
+            framework_bytes=memory.framework_bytes(dev, calibration),
             fwd_s=fwd, bwd_s=bwd, overhead_s=over, state_bytes=state, act_bytes=act,
             boundary_bytes=boundary, optimizer_s=opt,
             intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,
@@ -93,7 +102,8 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         grad_bytes=tuple(b.param_bytes for b in blocks),
         inter_bandwidth_bytes_s=inter.bandwidth_bytes_s,
         inter_latency_s=inter.latency_s,
-        block_signatures=tuple(b.signature for b in blocks), tied=tied_parameters(blocks))
+        block_signatures=tuple(b.signature for b in blocks), tied=tied_parameters(blocks),
+        memory_margin=memory_margin)
 
 
 def tied_parameters(blocks: list[Block]) -> tuple[tuple[tuple[int, ...], float], ...]:

@@ -94,11 +94,12 @@ class _StageBuilder:
         if a in self.env:
             return self.env[a]
         if a.op == "get_attr":
-            value = _attr(self.gm, a.target)
-            name = attr_name(a.target)
+            target = str(a.target)            # a get_attr's target is the attribute's dotted path
+            value = _attr(self.gm, target)
+            name = attr_name(target)
             if isinstance(value, nn.Parameter):
                 self.root.register_parameter(name, value)
-                self.params.append(a.target)
+                self.params.append(target)
             elif isinstance(value, torch.Tensor):
                 self.root.register_buffer(name, value)
             else:
@@ -118,6 +119,17 @@ class _StageBuilder:
     def finish(self, results: list[fx.Node]) -> None:
         self.graph.output(tuple(results))
         self.graph.lint()
+
+
+def _output_nodes(out_args: fx.node.Argument) -> list[fx.Node]:
+    """The graph's outputs; each must be a value the graph computes (a stage sends it on)."""
+    nodes = []
+    for value in out_args if isinstance(out_args, (tuple, list)) else (out_args,):
+        if not isinstance(value, fx.Node):
+            raise PassError(f"the model's forward returns {type(value).__name__}, not a computed tensor",
+                            fix="return tensors computed from the inputs only")
+        nodes.append(value)
+    return nodes
 
 
 def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
@@ -143,7 +155,7 @@ def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
     grads = _needs_grad(nodes, gm)
     output_node = gm.graph.output_node()
     out_args = output_node.args[0]
-    out_values = list(out_args) if isinstance(out_args, (tuple, list)) else [out_args]
+    out_values = _output_nodes(out_args)
     model_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
     values: dict[str, ValueInfo] = {}

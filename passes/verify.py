@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from costmodel import memory
 from planner.core import schedule as sched
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import PassError, PlanningError
@@ -53,7 +54,11 @@ def verify_plan(plan: Plan, spec: ClusterSpec | None = None) -> None:
         if len(hs) > 1 and grouped.get(p) != hs:
             raise PassError(f"parameter {p} is held by ranks {sorted(hs)} but synchronised over "
                             f"{sorted(grouped.get(p, set()))}", fix="report this plan")
-    for rank, (mem, cap) in enumerate(zip(plan.estimates.memory_bytes, plan.estimates.capacity_bytes)):
-        if mem > cap:
-            raise PlanningError(f"rank {rank} ({plan.devices[rank]}) needs {mem / 2**30:.2f} GiB of "
-                                f"{cap / 2**30:.2f} GiB", fix="use more pipeline stages or devices")
+    # the one memory rule the search planned with: need <= device memory x (1 - margin)
+    margin = plan.estimates.memory_margin
+    for rank, (mem, device_bytes) in enumerate(zip(plan.estimates.memory_bytes, plan.estimates.capacity_bytes)):
+        capacity = memory.capacity_bytes(device_bytes, margin)
+        if not memory.fits(mem, capacity):
+            raise PlanningError(f"rank {rank} ({plan.devices[rank]}) needs {mem / 2**30:.2f} GiB of the "
+                                f"{capacity / 2**30:.2f} GiB its device offers with a {margin:.0%} margin",
+                                fix="use more pipeline stages or devices, or a smaller --memory-margin")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +22,17 @@ from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Blocks
 from passes.verify import verify_plan
-from planner import frontend, runners_up
+from planner import dumps, frontend, runners_up
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import HetplanError, PlanningError
 from planner.core.ir import Plan, PlanInputs
 from planner.frontend.cluster import load_cluster
+from planner.frontend.onnx_model import OnnxModel, is_onnx_file, load_onnx_model
 from planner.options import PlanOptions, RunControls, check_options
 from planner.search import baselines, strategies
+from planner.search.configs import build_configs
+from planner.search.options import SearchOptions
 
 DEFAULT_TRACE_BATCH = 2
 
@@ -38,9 +43,23 @@ class PlanResult:
     graph: fx.GraphModule
     blocks: list[Block]
     tables: CostTables
-    timings_s: dict[str, float]
-    model_file: frontend.ModelFile
+    timings_s: dict[str, float]        # per phase: load_s, trace_s, cost_s, search_s, runners_up_s, total_s
+    model_file: frontend.ModelFile | OnnxModel     # OnnxModel: a cost-only plan of an .onnx graph
     cluster: ClusterSpec
+    pass_timings_s: dict[str, float] = field(default_factory=dict)   # per analysis pass, from its manager
+
+
+@dataclass
+class PhaseTimer:
+    """Wall time per phase of planning, by name (`with timer.phase("trace_s"): ...`)."""
+
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.timings_s[name] = time.perf_counter() - start
 
 
 def _digest(path: Path) -> str:
@@ -50,12 +69,25 @@ def _digest(path: Path) -> str:
 def trace_model_file(model_file: frontend.ModelFile, trace_batch: int = DEFAULT_TRACE_BATCH,
                      max_blocks: int = 96) -> tuple[fx.GraphModule, list[Block], tuple[Any, ...]]:
     """Trace on meta and run the analysis passes; returns the graph, its blocks and the meta inputs."""
-    module = frontend.build_on_meta(model_file)
-    inputs, _ = frontend.example_batch(model_file, trace_batch)
-    meta_inputs = frontend.to_device(inputs, "meta")
-    gm = frontend.trace(module, meta_inputs, file=str(model_file.path), replicate_repeated=True)
-    PassManager([MetaShapes(meta_inputs), Annotate(), Blocks(max_blocks)]).run(gm)
+    gm, meta_inputs = _trace_on_meta(model_file, trace_batch)
+    analyse(gm, meta_inputs, max_blocks)
     return gm, gm.meta[BLOCKS_KEY], meta_inputs
+
+
+def _trace_on_meta(model_file: frontend.ModelFile | OnnxModel,
+                   trace_batch: int) -> tuple[fx.GraphModule, tuple[Any, ...]]:
+    if isinstance(model_file, OnnxModel):   # read, not traced: the ONNX file's graph at its own batch
+        return model_file.graph, model_file.meta_inputs
+    return frontend.trace_model(model_file, trace_batch)   # the model file's contract checked around the trace
+
+
+def analyse(gm: fx.GraphModule, meta_inputs: tuple[Any, ...], max_blocks: int = 96,
+            dump_dir: Path | None = None) -> PassManager:
+    """Run the analysis passes (shapes, costs, blocks) on `gm`, writing the graph after each to
+    `dump_dir` when given; returns the manager that ran them, which holds each pass's time."""
+    manager = PassManager([MetaShapes(meta_inputs), Annotate(), Blocks(max_blocks)], dump_dir=dump_dir)
+    manager.run(gm)
+    return manager
 
 
 def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block],
@@ -92,45 +124,55 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     options = options or PlanOptions()
     controls = controls or RunControls()
     check_options(options)
-    timings: dict[str, float] = {}
+    timer = PhaseTimer()
     start = time.perf_counter()
-    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
-    calibration = load_calibration(options.calibration) if options.calibration else None  # fail before tracing
-    model_file = frontend.load_model_file(model, options.names)
-    timings["load_s"] = time.perf_counter() - start
+    with timer.phase("load_s"):
+        spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
+        calibration = load_calibration(options.calibration) if options.calibration else None  # fail before tracing
+        model_file = load_onnx_model(model, DEFAULT_TRACE_BATCH) if is_onnx_file(model) else \
+            frontend.load_model_file(model, options.names, controls.trace_timeout_s)
+    trace_batch = model_file.trace_batch if isinstance(model_file, OnnxModel) else DEFAULT_TRACE_BATCH
 
-    t0 = time.perf_counter()
-    gm, blocks, _ = trace_model_file(model_file, DEFAULT_TRACE_BATCH, options.max_blocks)
-    timings["trace_s"] = time.perf_counter() - t0
+    with timer.phase("trace_s"):
+        gm, meta_inputs = _trace_on_meta(model_file, trace_batch)
+        passes = analyse(gm, meta_inputs, options.max_blocks, controls.dump_ir_dir)
+    blocks: list[Block] = gm.meta[BLOCKS_KEY]
 
-    t0 = time.perf_counter()
-    tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=DEFAULT_TRACE_BATCH,
-                          precision_policy=options.precision, memory_margin=options.memory_margin,
-                          calibration=calibration)
-    tables = compression.with_compression(tables, _compression_table(options, gm, blocks, spec))
-    timings["cost_s"] = time.perf_counter() - t0
+    with timer.phase("cost_s"):
+        tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=trace_batch,
+                              precision_policy=options.precision, memory_margin=options.memory_margin,
+                              calibration=calibration)
+        tables = compression.with_compression(tables, _compression_table(options, gm, blocks, spec))
+    search_options = options.search_options(controls)
+    if controls.dump_ir_dir is not None:
+        _dump_problem(controls.dump_ir_dir, tables, search_options)
 
     cluster_path = Path(spec.source_path) if spec.source_path else None
     inputs = PlanInputs(
         model_path=str(Path(model).resolve()), model_digest=model_file.digest,
         cluster_path=str(cluster_path.resolve()) if cluster_path else "",
         cluster_digest=_digest(cluster_path) if cluster_path and cluster_path.is_file() else "",
-        cluster_name=spec.name, options=options.as_pairs(), trace_batch=DEFAULT_TRACE_BATCH,
+        cluster_name=spec.name, options=options.as_pairs(), trace_batch=trace_batch,
         model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"))
 
-    t0 = time.perf_counter()
-    result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
-                                                            spec=spec, inputs=inputs,
-                                                            options=options.search_options(controls))
-    timings["search_s"] = time.perf_counter() - t0
+    with timer.phase("search_s"):
+        result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
+                                                                spec=spec, inputs=inputs, options=search_options)
     verify_plan(result, spec)
     if options.runners_up:
-        t0 = time.perf_counter()
-        others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
-        result = runners_up.with_runners_up(result, others, spec)
-        timings["runners_up_s"] = time.perf_counter() - t0
-    timings["total_s"] = time.perf_counter() - start
-    return PlanResult(result, gm, blocks, tables, timings, model_file, spec)
+        with timer.phase("runners_up_s"):
+            others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
+            result = runners_up.with_runners_up(result, others, spec)
+    timings = {**timer.timings_s, "total_s": time.perf_counter() - start}
+    return PlanResult(result, gm, blocks, tables, timings, model_file, spec, dict(passes.timings_s))
+
+
+def _dump_problem(folder: Path, tables: CostTables, options: SearchOptions) -> None:
+    """The costed problem, and the candidate configurations where the strategy builds them (`--dump-ir`)."""
+    dumps.write_costed_problem(folder, tables, options)
+    if options.strategy in ("ilp", "exact"):
+        configs = build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
+        dumps.write_candidates(folder, tables, configs)
 
 
 __all__ = ["plan", "PlanOptions", "PlanResult", "RunControls", "HetplanError"]

@@ -3,14 +3,23 @@ that only shape how planning runs (never recorded: the same plan comes out whate
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from costmodel import compression
 from planner.core import schedule
-from planner.core.errors import PlanningError
+from planner.core.errors import OptionError
 from planner.search.options import SearchOptions
 from planner.search.solver import SolverSettings
+from planner.search.strategies import STRATEGIES
+
+PRECISION_POLICIES = ("auto", "fp32", "bf16", "fp16")
+OBJECTIVES = ("time", "cost")
+OPTIMIZERS = ("adamw", "sgd")
+CONTRACT_NAMES = ("model", "batch", "loss_fn")
+MAX_GLOBAL_BATCH = 1 << 20            # samples per step; the search's integer variables stay small
+DEFAULT_TRACE_TIMEOUT_S = 300.0       # the model file's code (import, model(), batch(), tracing) may take this long
 
 
 @dataclass
@@ -54,19 +63,59 @@ class RunControls:
 
     dump_ir_dir: Path | None = None          # the graph after each pass and the costed problem, as text
     dump_cp_model_dir: Path | None = None    # every CP-SAT model the search solves (planner.search.solver)
+    # the user's code (importing the model file, model(), batch(), loss_fn, tracing) is stopped after this
+    # long, as the model file's error (None: never; a time limit needs the main thread, SIGALRM)
+    trace_timeout_s: float | None = DEFAULT_TRACE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        timeout = self.trace_timeout_s
+        if timeout is not None and not (_is_number(timeout) and math.isfinite(timeout) and timeout > 0):
+            raise OptionError(f"trace timeout {timeout!r} must be a positive number of seconds",
+                              field="--trace-timeout",
+                              fix=f"give seconds, e.g. --trace-timeout {DEFAULT_TRACE_TIMEOUT_S:g}")
 
 
 def check_options(options: PlanOptions) -> None:
-    """Raise PlanningError naming the option when one is outside what it may be."""
-    if options.global_batch < 1:
-        raise PlanningError(f"global batch {options.global_batch} must be at least 1", field="--global-batch",
-                            fix="pass a positive --global-batch")
-    for value, known, flag in ((options.compression, compression.GRADIENT_POLICIES, "--compression"),
+    """Raise OptionError (exit 2) naming the option, by its `plan` flag, when one is outside what it may be:
+    before anything is loaded, so a bad option never reads as "no plan" or "fits on no device"."""
+    _whole(options.global_batch, "--global-batch", "global batch", maximum=MAX_GLOBAL_BATCH)
+    if options.stages is not None:
+        _whole(options.stages, "--stages", "pipeline depth", maximum=options.max_blocks)
+    if options.micro_batch is not None:
+        _whole(options.micro_batch, "--micro-batch", "micro-batch size", maximum=options.global_batch)
+    _whole(options.max_blocks, "max_blocks", "block limit", maximum=10_000)
+    margin = options.memory_margin
+    if not (_is_number(margin) and math.isfinite(margin) and 0 <= margin < 1):
+        raise OptionError(f"memory margin {margin!r} must be a fraction in [0, 1)", field="--memory-margin",
+                          fix="give the fraction of device memory kept free, e.g. --memory-margin 0.1")
+    limit = options.time_limit_s
+    if not (_is_number(limit) and math.isfinite(limit) and limit > 0):
+        raise OptionError(f"time limit {limit!r} must be a positive number of seconds", field="--time-limit",
+                          fix="give the solver's work limit in deterministic seconds, e.g. --time-limit 10")
+    for value, known, flag in ((options.strategy, STRATEGIES, "--strategy"),
+                               (options.precision, PRECISION_POLICIES, "--precision"),
+                               (options.compression, compression.GRADIENT_POLICIES, "--compression"),
                                (options.activation_compression, compression.ACTIVATION_POLICIES,
-                                "--activation-compression")):
+                                "--activation-compression"),
+                               (options.schedule, schedule.CHOICES, "--schedule"),
+                               (options.objective, OBJECTIVES, "--objective"),
+                               (options.optimizer, OPTIMIZERS, "--optimizer")):
         if value not in known:
-            raise PlanningError(f"unknown compression `{value}`", field=flag,
-                                fix=f"use one of: {', '.join(known)}")
-    if options.schedule not in schedule.CHOICES:
-        raise PlanningError(f"unknown schedule `{options.schedule}`", field="--schedule",
-                            fix=f"use one of: {', '.join(schedule.CHOICES)}")
+            raise OptionError(f"unknown {flag.removeprefix('--')} {str(value)[:60]!r}", field=flag,
+                              fix=f"use one of: {', '.join(known)}")
+    for role, name in options.names.items():
+        flag = f"--{role.replace('_', '-').removesuffix('-fn')}-fn"
+        if role not in CONTRACT_NAMES or not (isinstance(name, str) and name.isidentifier()):
+            raise OptionError(f"{str(name)[:60]!r} is not the name of a function for `{role}`", field=flag,
+                              fix=f"give a Python identifier defined in the model file (renamable: "
+                                  f"{', '.join(CONTRACT_NAMES)})")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _whole(value: object, flag: str, what: str, *, maximum: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= maximum):
+        raise OptionError(f"{what} {str(value)[:60]} must be a whole number from 1 to {maximum}", field=flag,
+                          fix=f"pass {flag} N with 1 <= N <= {maximum}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -30,18 +29,36 @@ def run_plan_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProc
 
 
 def run_program(out: Path, steps: int, *, seed: int = 0, lr: float = 1e-3, timeout_s: float = 300,
-                save_final: bool = True, optimizer: str = "adamw") -> list[dict]:
-    """`plan run OUT` with a short collective timeout; returns the metrics lines."""
+                save_final: bool = True, optimizer: str = "adamw", collective_timeout_s: float = 60) -> list[dict]:
+    """`plan run OUT` with a short collective timeout; returns the metrics lines of OUT/run."""
     # the program's workers import this checkout's packages whether or not it is installed
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "HETPLAN_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps), "--seed", str(seed),
-           "--lr", str(lr), "--optimizer", optimizer] + (["--save-final"] if save_final else [])
+           "--lr", str(lr), "--optimizer", optimizer, "--timeout", str(collective_timeout_s)]
+    cmd += ["--save-final"] if save_final else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO,
                           start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    lines = (out / "run" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:] + run_logs_tail(out)
+    return read_metrics(out / "run" / "metrics.jsonl")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (the program's reader: an incomplete last line is skipped)."""
+    from backends.torchdist.program.metrics import read_metrics as read
+
+    return read(path)
+
+
+def run_logs_tail(out: Path, most_chars: int = 4000) -> str:
+    """The end of every log of OUT/run (torchrun's own and each rank's stderr), for a failure message."""
+    logs = out / "run" / "logs"
+    parts = []
+    for path in sorted(logs.rglob("*.log")) if logs.is_dir() else []:
+        text = path.read_text(errors="replace").strip()
+        if text:
+            parts.append(f"\n--- {path.relative_to(logs)}\n{text[-most_chars:]}")
+    return "".join(parts)
 
 
 def spawn_gloo_workers(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, *,

@@ -8,7 +8,7 @@ Dependencies run one way, bottom to top:
     3  planner.search                the costed problem -> a plan (CP-SAT, splits, baselines, assemble)
     4  backends                      what runs or shows a plan: program, simulator, kernels, reports
     5  planner.api, planner.runners_up, planner   the face: `plan()` and what it orchestrates
-    6  planner.profile               measuring this machine (`plan profile`)
+    6  planner.profiling             measuring this machine (`plan profile`)
     7  planner.cli                   the command line, over all of it
 
 A module may import its own layer and the ones below; every import counts, also one inside a
@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner.search",),
     ("backends",),
     ("planner.api", "planner.runners_up", "planner"),
-    ("planner.profile",),
+    ("planner.profiling",),
     ("planner.cli",),
 )
 OUTSIDE = ("tests", "benchmarks")   # may import anything; nothing of the packages imports them

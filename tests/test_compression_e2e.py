@@ -15,13 +15,14 @@ import math
 import pytest
 import torch
 
-from backends.torchdist.gradsync import group_payload_bytes
+from backends.torchdist.program.gradsync import group_payload_bytes
 from backends.torchdist.reference import train_reference
 from costmodel import activation_compression as activation_costs
 from costmodel import compression as costs
 from planner import frontend
 from planner.api import PlanOptions, plan
 from planner.core.cluster import Link
+from planner.core.errors import OptionError
 from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli, run_program
 
@@ -134,10 +135,10 @@ def test_policy_none_is_exact_auto_compresses_where_it_pays():
     assert dict(auto.plan.inputs.options)["compression"] == "auto"
 
 
-def test_bad_policy_is_a_planning_error():
+def test_bad_policy_is_an_option_error():
     proc = run_plan_cli(str(GPT), "--cluster", str(CPU4), "--compression", "topk")
     assert proc.returncode == 2 and "--compression" in proc.stderr
-    with pytest.raises(Exception, match="unknown compression `int4`"):
+    with pytest.raises(OptionError, match="unknown activation-compression 'int4'"):
         plan(GPT, CPU4, PlanOptions(activation_compression="int4"))
 
 

@@ -2,7 +2,7 @@
 
 The multi-process scenario runs on 3 gloo ranks: a `GradientSync` over two plan gradient groups (a
 `onebit` one holding w and b, a `none` one holding c), the program's optimizer from
-`runtime.make_stage_optimizer("adamw", ...)`, its gradient sync `runtime.sync_step_gradients` and fp16
+`optimizers.make_stage_optimizer("adamw", ...)`, its gradient sync `optimizers.sync_step_gradients` and fp16
 loss scaling. Every rank's gradients come from seeds, so each rank also runs the single-process
 reference next to the real thing: torch's AdamW on the synchronised gradient during warm-up, then a
 simulation of the compressed momentum exchange (each rank's local momentum, worker and server error
@@ -22,8 +22,9 @@ import torch.nn as nn
 
 from backends.compression import MomentumExchange, OneBitAdamW, make_compressor, onebit_wire_bytes
 from backends.kernels import add_error_and_sqnorm, sign_pack, unpack_average
-from backends.torchdist import precision, runtime
-from backends.torchdist.gradsync import GradientSync
+from backends.torchdist.program import optimizers, precision
+from backends.torchdist.program.gradsync import GradientSync
+from costmodel.compression import settings_of
 from planner.core.ir import GradGroup
 from tests.helpers import spawn_gloo_workers
 
@@ -124,11 +125,12 @@ def _gather_equal(t: torch.Tensor) -> bool:
 
 def _scenario(rank: int) -> None:
     params = {name: nn.Parameter(t.clone()) for name, t in _initial().items()}
-    groups = [GradGroup(0, tuple(range(WORLD)), ONEBIT_PARAMS, 0.0, "onebit", "allgather", 0.0),
+    groups = [GradGroup(0, tuple(range(WORLD)), ONEBIT_PARAMS, 0.0, "onebit", "allgather", 0.0,
+                        settings_of("onebit")),
               GradGroup(1, tuple(range(WORLD)), EXACT_PARAMS, 0.0, "none", "ring", 0.0)]
     process_groups = {g.index: dist.new_group(list(g.ranks)) for g in groups}
     sync = GradientSync(groups, process_groups, params)
-    optimizer = runtime.make_stage_optimizer("adamw", list(params.values()), sync, LR,
+    optimizer = optimizers.make_stage_optimizer("adamw", list(params.values()), sync, LR,
                                              onebit_freeze_step=FREEZE_STEP)
     assert isinstance(optimizer, OneBitAdamW) and [e.key for e in sync.exchanges] == [0]
     exchange = sync.exchanges[0]
@@ -150,7 +152,7 @@ def _scenario(rank: int) -> None:
         assert optimizer.exchanging() == ([exchange] if compressing else [])
         exchange.reset_counters()
 
-        skipped = runtime.sync_step_gradients(sync, list(params.values()), optimizer, scaler)
+        skipped = optimizers.sync_step_gradients(sync, list(params.values()), optimizer, scaler)
         assert skipped == (step == OVERFLOW_STEP)
         if not skipped:
             for name, p in params.items():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from backends.torchdist.emit import emit_program
-from backends.torchdist.gradsync import group_payload_bytes
+from backends.torchdist.program.gradsync import group_payload_bytes
 from backends.torchdist.reference import train_reference
 from planner import frontend
 from planner.api import PlanOptions, plan
@@ -129,7 +129,7 @@ def test_fp16_loss_scaling_unscales_before_the_momentum_exchange(tmp_path):
                                                          for s in r.stages)) for r in result.plan.replicas)
     forced = dataclasses.replace(result.plan, replicas=replicas)
     out = tmp_path / "fp16"
-    emit_program(forced, GPT, out / "program", names={})
+    emit_program(forced, GPT, out / "program")
     metrics = _torchrun(out / "program", 2, "--cpu-autocast", "--onebit-freeze-step", str(FREEZE_STEP))
     assert {m["compute_dtype"] for m in metrics} == {"float16"}
     assert {m["loss_scale"] for m in metrics} == {2.0 ** 16} and not any(m["skipped_step"] for m in metrics)

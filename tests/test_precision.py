@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from backends.torchdist import precision
 from backends.torchdist.emit import emit_program
+from backends.torchdist.program import precision
 from backends.torchdist.reference import train_reference
 from planner.api import PlanOptions, plan
 from planner.core.ir import Plan
@@ -102,7 +102,7 @@ def _program(tmp_path: Path, devices: int, value: str, **options) -> tuple[Path,
     assert {s.precision for r in result.plan.replicas for s in r.stages} == {"fp32"}   # CPU plans are fp32
     forced = _with_precision(result.plan, value)
     program = tmp_path / value / "program"
-    emit_program(forced, GPT, program, names={})
+    emit_program(forced, GPT, program)
     return program, forced
 
 
@@ -188,7 +188,7 @@ def test_pipeline_across_device_types_mixes_precisions_per_stage(tmp_path):
     mixed = dataclasses.replace(replica, stages=tuple(dataclasses.replace(s, precision=value)
                                                       for s, value in zip(replica.stages, ("bf16", "fp16", "fp32"))))
     mixed_plan = dataclasses.replace(p, replicas=(mixed,))
-    emit_program(mixed_plan, GPT, program, names={})
+    emit_program(mixed_plan, GPT, program)
     ref = train_reference(str(GPT), global_batch=p.global_batch, steps=STEPS, seed=2)
     metrics = _torchrun(program, 3, "--cpu-autocast")
     assert {m["rank"]: m["compute_dtype"] for m in metrics} == {0: "bfloat16", 1: "float16", 2: "float32"}

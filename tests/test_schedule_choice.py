@@ -85,8 +85,8 @@ def test_forcing_a_schedule_keeps_only_its_configurations() -> None:
 
 def test_an_unknown_schedule_is_refused_before_tracing() -> None:
     from planner.api import PlanOptions, plan
-    from planner.core.errors import PlanningError
+    from planner.core.errors import OptionError
 
-    with pytest.raises(PlanningError) as err:
+    with pytest.raises(OptionError) as err:
         plan("no-such-model.py", "no-such-cluster.yaml", PlanOptions(schedule="zigzag"))
     assert err.value.field == "--schedule" and "auto, 1f1b, gpipe" in err.value.fix

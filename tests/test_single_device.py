@@ -17,7 +17,7 @@ from costmodel.calibration import load_calibration
 from planner import frontend
 from planner.api import trace_model_file
 from planner.cli import main as plan_main
-from planner.profile import blockbench
+from planner.profiling import blockbench
 from tests.helpers import EXAMPLES, REPO
 from tests.test_calibration import synthetic
 

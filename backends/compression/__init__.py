@@ -1,6 +1,7 @@
 """Gradient compressors for explicit bucketed all-reduce or as DDP communication hooks.
 
-`make_compressor(name, group)` for `none`, `fp16`, `bf16`, `powersgd`, `onebit`; then
+`make_compressor(name, group, settings)` for `none`, `fp16`, `bf16`, `powersgd`, `onebit` (`settings`:
+the plan's GradGroup.settings, what the group's compressor runs with); then
 `compressor.allreduce_mean_(FlatBucket(flat, shapes, index=i))` averages a bucket in
 place over the group and sets `compressor.last_wire_bytes`. The built-in torch hooks are
 reused through `FlatBucket` / `run_comm_hook`; `onebit` is ours (backends.kernels).
@@ -25,8 +26,8 @@ from backends.compression.onebit import (
     onebit_wire_bytes,
     onebit_wire_ratio,
 )
-from backends.compression.onebit_adam import MomentumExchange, OneBitAdamW
-from backends.compression.registry import COMPRESSORS, CompressorFactory, make_compressor
+from backends.compression.onebit_adam import MomentumExchange, OneBitAdamW, freeze_step
+from backends.compression.registry import COMPRESSORS, CompressorFactory, make_compressor, settings_options
 from backends.compression.wire import CollectiveTap, WireRecord, payload_nbytes
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "WireRecord",
     "bf16_round_fp32_wire_hook",
     "compress_with_feedback",
+    "freeze_step",
     "make_compressor",
     "onebit_allreduce_mean_",
     "onebit_hook",
@@ -54,4 +56,5 @@ __all__ = [
     "onebit_wire_ratio",
     "payload_nbytes",
     "run_comm_hook",
+    "settings_options",
 ]

@@ -29,6 +29,7 @@ throughout. The caller must not also synchronise the gradients of a group in its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,14 @@ import torch
 import torch.nn as nn
 
 from backends.compression.base import GradientCompressor
+
+
+def freeze_step(total_steps: int, warmup_fraction: float) -> int:
+    """Exact AdamW steps before 1-bit Adam freezes the variance, in a run of `total_steps` steps with
+    the exact warm-up fraction a plan records for its 1-bit groups (CompressorSettings.warmup_fraction)."""
+    if not 0.0 < warmup_fraction <= 1.0:
+        raise ValueError(f"1-bit Adam's warm-up fraction must lie in (0, 1], got {warmup_fraction}")
+    return max(1, math.ceil(warmup_fraction * total_steps))
 
 
 @dataclass

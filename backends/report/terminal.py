@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.report.gantt import render_gantt
-from backends.report.text import GIB, format_time, layout, table
+from backends.report.text import GIB, RUNNERS_UP_HEADER, format_time, printable, runners_up_rows, table
 from backends.sim import simulate_plan
 from planner.core.cluster import ClusterSpec
 from planner.core.ir import Plan
@@ -13,12 +13,12 @@ def summary(plan: Plan) -> str:
     e, s = plan.estimates, plan.solver
     devices_used = plan.world_size
     head = [
-        f"plan for {plan.inputs.cluster_name}: {len(plan.replicas)} replica(s) on {devices_used} device(s), "
-        f"global batch {plan.global_batch}, {len(plan.blocks)} blocks",
+        f"plan for {printable(plan.inputs.cluster_name)}: {len(plan.replicas)} replica(s) on {devices_used} "
+        f"device(s), global batch {plan.global_batch}, {len(plan.blocks)} blocks",
         f"estimated step {format_time(e.iteration_s)} (pipelines {format_time(e.pipeline_s)} + gradient sync "
         f"{format_time(e.sync_s)}), {e.throughput_samples_s:,.1f} samples/s, bubble {e.bubble_fraction:.0%}",
-        f"search: {s.strategy}, {s.status}, objective {format_time(s.objective_s)}, bound {format_time(s.bound_s)}, "
-        f"gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
+        f"search: {printable(s.strategy)}, {printable(s.status)}, objective {format_time(s.objective_s)}, "
+        f"bound {format_time(s.bound_s)}, gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
     ]
     if e.cost_per_sample is not None:
         head.append(f"cost: ${e.cost_per_sample * 1e6:.4g} per million samples")
@@ -44,15 +44,10 @@ def summary(plan: Plan) -> str:
 
 def runners_up_section(plan: Plan) -> str:
     """Why this plan: the alternatives the search saw, simulated on the same clock."""
-    s = plan.solver
-    if not s.runners_up:
+    rows = runners_up_rows(plan)
+    if not rows:
         return "(no runners-up recorded: planned with a baseline strategy or --no-runners-up)"
-    chosen = [f"{s.strategy} (chosen)", format_time(plan.estimates.iteration_s),
-              format_time(s.simulated_iteration_s) if s.simulated_iteration_s is not None else "-",
-              str(plan.world_size), layout(plan), "-"]
-    rows = [chosen] + [[u.name, format_time(u.estimated_iteration_s), format_time(u.simulated_iteration_s),
-                        str(u.devices_used), u.layout, u.why_slower] for u in s.runners_up]
-    return "why this plan:\n" + table(["plan", "est step", "sim step", "devices", "layout", "vs chosen"], rows)
+    return "why this plan:\n" + table(RUNNERS_UP_HEADER, rows)
 
 
 def memory_table(plan: Plan) -> str:

@@ -3,15 +3,19 @@ times per stage, gradient-sync durations per group, optimizer time per rank.
 
 `from_plan(plan, spec)` derives them from the plan's stage records (per-sample forward/backward
 times, per-micro-batch launch overhead), its point-to-point edges and gradient groups, and the
-links of the cluster spec the plan was made for. Tests build a `SimInput` by hand.
+links of the cluster spec the plan was made for. A compressed edge costs what the search priced for
+the compressor it records: its wire bytes over the link plus its encode/decode kernels
+(costmodel.activation_compression.activation_cost). Tests build a `SimInput` by hand.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel import compute
 from costmodel import constants as C
-from costmodel.activation_compression import activation_wire_bytes
+from costmodel.activation_compression import activation_cost
+from costmodel.compression import INT8_BLOCK_ELEMS, kernel_bandwidth_bytes_s
 from costmodel.network import ring_allreduce_s
 from planner.core.cluster import ClusterSpec, Device, Link
 from planner.core.errors import PlanningError
@@ -93,13 +97,19 @@ def _compute_times(stage: StagePlan, rows: tuple[int, ...]) -> tuple[tuple[float
     return fwd, bwd
 
 
-def _wire_bytes(edge: P2PEdge, src: StagePlan, rows: int) -> float:
-    """Bytes one micro-batch of `rows` puts on the edge's link, after its activation compressor
-    (encode/decode kernel time is left out: small beside the transfer it shortens)."""
+def _send_s(edge: P2PEdge, src: StagePlan, ends: tuple[Device, Device], link: Link, rows: int) -> float:
+    """One transfer of a micro-batch of `rows` over the edge's link (either way), with its activation
+    compressor's wire bytes and kernels on the slower of its two devices."""
     nbytes = edge.bytes_per_sample * rows
     if edge.compressor == "none":
-        return nbytes
-    return activation_wire_bytes(edge.compressor, nbytes, C.BYTES_PER_ELEMENT[src.precision])
+        return link.transfer_s(nbytes)
+    bandwidth = min(kernel_bandwidth_bytes_s(d.type) for d in ends)
+    launch = max(compute.op_overhead_s(d.type) for d in ends)
+    # plans from before edges recorded their block size ran the default
+    block_elems = edge.block_elems or INT8_BLOCK_ELEMS
+    cost = activation_cost(edge.compressor, nbytes, C.BYTES_PER_ELEMENT[src.precision], link, bandwidth, launch,
+                           block_elems)
+    return cost.time_s / 2
 
 
 def optimizer_step_s(param_bytes: float, device: Device) -> float:
@@ -119,13 +129,14 @@ def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica:
         send_fwd: tuple[float, ...] = ()
         send_bwd: tuple[float, ...] = ()
         if s + 1 < S:
-            nxt = replica.stages[s + 1]
-            link = spec.link_between(devices[st.device], devices[nxt.device])
-            send_fwd = tuple(link.transfer_s(_wire_bytes(edges[(replica.index, s)], st, r)) for r in rows)
+            ends = (devices[st.device], devices[replica.stages[s + 1].device])
+            link = spec.link_between(*ends)
+            send_fwd = tuple(_send_s(edges[(replica.index, s)], st, ends, link, r) for r in rows)
         if s > 0:
             prev = replica.stages[s - 1]
-            link = spec.link_between(devices[st.device], devices[prev.device])
-            send_bwd = tuple(link.transfer_s(_wire_bytes(edges[(replica.index, s - 1)], prev, r)) for r in rows)
+            ends = (devices[st.device], devices[prev.device])
+            link = spec.link_between(*ends)
+            send_bwd = tuple(_send_s(edges[(replica.index, s - 1)], prev, ends, link, r) for r in rows)
         param_bytes = sum(plan.blocks[b].param_bytes for b in range(st.first_block, st.last_block + 1))
         stages.append(StageWork(st.rank, fwd, bwd, send_fwd, send_bwd,
                                 optimizer_step_s(param_bytes, devices[st.device])))

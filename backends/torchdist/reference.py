@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.torchdist.runtime import make_optimizer
+from backends.torchdist.program.optimizers import make_optimizer
 from planner import frontend
 
 

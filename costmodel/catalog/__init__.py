@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from planner.core.cluster import PRECISIONS, DeviceType, Link
-from planner.core.fields import Fields, read_yaml
+from planner.core.fields import Fields, check_name, read_yaml
 from planner.core.units import BYTES_PER_GIB, BYTES_S_PER_GBYTE_S, FLOP_S_PER_TFLOP_S, US_PER_S
 
 NO_LINK = "none"  # catalog link of a one-device node, and the network of a one-node cluster
@@ -23,6 +23,8 @@ _LINK_KEYS = ("bandwidth_gbyte_s", "latency_us", "source")
 def load_catalog(path: str | Path | None = None) -> dict[str, DeviceType]:
     """Device types by name, from `costmodel/catalog/devices.yaml` (or `path`)."""
     entries = _read_catalog(path, "devices.yaml")
+    for name in entries.data:
+        check_name(name, "device type", entries.file, name)
     return {name: device_type(name, entries.sub(name, DEVICE_KEYS, (*FIGURES, "source")), None, "")
             for name in entries.data}
 
@@ -32,6 +34,7 @@ def load_links(path: str | Path | None = None) -> dict[str, Link]:
     entries = _read_catalog(path, "links.yaml")
     links: dict[str, Link] = {}
     for kind in entries.data:
+        check_name(kind, "link kind", entries.file, kind)
         fields = entries.sub(kind, _LINK_KEYS, _LINK_KEYS)
         fields.text("source")  # only checked: every figure says where it comes from
         links[kind] = Link(kind, fields.number("bandwidth_gbyte_s") * BYTES_S_PER_GBYTE_S,

@@ -1,28 +1,71 @@
-"""`plan inspect OUT`: the plan as tables, why it won, its memory and its simulated timeline."""
+"""`plan inspect OUT`: the plan as tables, why it won, its memory and its simulated timeline.
+
+The plan is loaded checked (planner.cli.plan_files): an edited or stale plan is refused unless
+`--allow-changed`. Nothing outside the plan directory is read but the recorded spec, and that only
+when its digest is the recorded one (or the spec `--cluster` names): a path edited into the plan is
+never opened, let alone printed.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from backends.report.html import render_html
 from backends.report.terminal import memory_table, runners_up_section, simulation_section, summary
+from backends.report.text import printable
+from backends.sim import simulate_plan
+from planner.cli.args import OneLineParser
+from planner.cli.output_dir import write_text_atomically
+from planner.cli.plan_files import load_checked_plan, recorded_spec
+from planner.core.cluster import ClusterSpec
+from planner.core.errors import SpecError
 from planner.core.ir import Plan
 from planner.frontend.cluster import load_cluster
 
 
-def cmd_inspect(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="plan inspect", description="Show a plan.")
+def inspect_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="plan inspect", description="Show a plan.")
     p.add_argument("out", help="plan directory (or plan.json)")
     p.add_argument("--cluster", default=None, help="cluster spec for the simulated Gantt chart "
-                   "(default: the one the plan was made for, if it is still there)")
-    args = p.parse_args(argv)
-    plan = Plan.load(args.out)
+                   "(default: the one the plan was made for, if it is still the same file)")
+    p.add_argument("--allow-changed", action="store_true",
+                   help="show the plan even if the model file or the spec changed since planning")
+    p.add_argument("--html", type=Path, default=None, metavar="FILE",
+                   help="write the plan as one self-contained HTML page (cluster, timeline, memory, why) instead")
+    return p
+
+
+def cmd_inspect(argv: list[str]) -> int:
+    args = inspect_parser().parse_args(argv)
+    plan = load_checked_plan(args.out, allow_changed=args.allow_changed)
+    spec_path = args.cluster or recorded_spec(plan)
+    spec = load_cluster(spec_path) if spec_path else None
+    if spec is not None:
+        _check_devices(plan, spec, str(spec_path))
+    if args.html is not None:
+        write_text_atomically(args.html, render_html(plan, spec, simulate_plan(plan, spec) if spec else None))
+        print(f"wrote {printable(str(args.html))}" + ("" if spec else " (no cluster picture or timeline: "
+                                                  "the spec planned with is not there or changed; pass --cluster)"))
+        return 0
     print(summary(plan))
     print(runners_up_section(plan) + "\n")
     print(memory_table(plan) + "\n")
-    spec_path = args.cluster or plan.inputs.cluster_path
-    if spec_path and Path(spec_path).is_file():
-        print(simulation_section(plan, load_cluster(spec_path)))
+    if spec is not None:
+        print(simulation_section(plan, spec))
     else:
-        print(f"(no simulation: cluster spec {spec_path or '?'} not found; pass --cluster)")
+        recorded = printable(plan.inputs.cluster_path or "?")
+        print(f"(no simulation: the cluster spec planned with ({recorded}) is not there or changed; pass --cluster)")
     return 0
+
+
+def _check_devices(plan: Plan, spec: ClusterSpec, file: str) -> None:
+    """The simulation places each stage on the spec's device of the recorded index: it must be there,
+    with the label the plan recorded."""
+    devices = spec.devices()
+    for replica in plan.replicas:
+        for stage in replica.stages:
+            if not 0 <= stage.device < len(devices) or devices[stage.device].label != stage.device_label:
+                raise SpecError(f"not the cluster this plan was made for: rank {stage.rank} runs on "
+                                f"{stage.device_label} (device {stage.device}), which the spec does not have there",
+                                file=file, fix="pass the spec the plan was made for with --cluster")

@@ -1,21 +1,28 @@
 """`plan`: the command line. Typed options at the edge; domain errors become one line + exit code.
 
     plan MODEL.py --cluster SPEC.yaml [-o OUT]     trace, cost, solve, verify, emit
-    plan inspect OUT                               summary of a plan
+    plan inspect OUT [--html FILE]                 summary of a plan (or one self-contained HTML page)
+    plan diff A B                                  what changed between two plans, and what it costs
     plan run OUT [--steps N --seed S --lr X]       run the emitted program locally (torchrun)
     plan profile [--out FILE] [--model M] [--quick]  measure this machine; `plan --calibration FILE` uses it
+    plan export OUT --onnx DIR                     each stage as ONNX, checked in onnxruntime
 
 Each command is a module of its own, imported on demand: `plan run --help` need not import the planner.
+Every error a user can act on is one line on stderr and an exit code: 2 bad input (model file, spec,
+options, plan directory), 3 no feasible plan, 4 internal pass failure, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
 from planner.core.errors import HetplanError
 
-SUBCOMMANDS = ("inspect", "run", "profile")
+SUBCOMMANDS = ("inspect", "diff", "run", "profile", "export")
+INTERRUPTED_EXIT_CODE = 130   # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE, as for any command whose reader went away
 
 
 def _command(name: str) -> Callable[[list[str]], int]:
@@ -23,14 +30,22 @@ def _command(name: str) -> Callable[[list[str]], int]:
         from planner.cli.inspect_cmd import cmd_inspect
 
         return cmd_inspect
+    if name == "diff":
+        from planner.cli.diff_cmd import cmd_diff
+
+        return cmd_diff
     if name == "run":
         from planner.cli.run_cmd import cmd_run
 
         return cmd_run
     if name == "profile":
-        from planner.profile.command import cmd_profile
+        from planner.profiling.command import cmd_profile
 
         return cmd_profile
+    if name == "export":
+        from planner.cli.export_cmd import cmd_export
+
+        return cmd_export
     from planner.cli.plan_cmd import cmd_plan
 
     return cmd_plan
@@ -46,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        print("plan: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+    except BrokenPipeError:     # `plan inspect OUT | head`: the reader left; no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nor at exit, flushing stdout
+        return BROKEN_PIPE_EXIT_CODE
 
 
 if __name__ == "__main__":

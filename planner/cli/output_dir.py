@@ -1,29 +1,144 @@
 """Writing a plan directory: built in a temporary sibling, then renamed into place, so a failed run
-leaves no partial output and an earlier directory untouched."""
+leaves no partial output and an earlier directory untouched.
+
+`-o OUT` never destroys the user's files. OUT is written when it does not exist or is empty, and
+replaced whole only when it holds a previous hetplan output (the MARKER file hetplan writes into each)
+or with `--force`. Never, `--force` or not: the current directory (or one above it), a directory
+holding the model file or the spec (or another input), or a file. The runs of a replaced plan
+(`run/`, `runs/`: their metrics and logs) are kept, under the new directory's `runs/`.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from planner.core.errors import OutputDirError
 
-def write_atomically(out: Path, fill: Callable[[Path], None]) -> None:
-    """Build the output in a temporary sibling directory, then swap it in."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+MARKER = ".hetplan-output"
+MARKER_TEXT = "hetplan output 1: written by `plan -o`, which may replace this directory whole\n"
+
+
+def check_output_dir(out: Path, *, inputs: Iterable[str | Path] = (), force: bool = False) -> Path:
+    """The absolute directory `plan -o out` may write; raises OutputDirError (one line: which rule,
+    and the fix) when writing there could delete a file of the user's. `inputs` are the files the run
+    reads (model file, spec, ...): no directory above one of them is replaced."""
+    target = out.resolve()
+    here = Path.cwd().resolve()
+    if target == here or target in here.parents:
+        what = "the current directory" if target == here else "a directory above the current one"
+        raise OutputDirError(f"-o {out} is {what}; replacing it would delete everything in it",
+                             fix="name a new directory for the plan, e.g. -o out")
+    for path in inputs:
+        source = Path(path).resolve()
+        if target in source.parents:
+            raise OutputDirError(f"-o {out} holds the input {path}; replacing it would delete it",
+                                 fix="name a directory that holds none of the inputs, e.g. -o out")
+    if target.exists() and not target.is_dir():
+        raise OutputDirError(f"-o {out} is a file, not a directory",
+                             fix="name a directory for the plan (a new one, or a previous plan's)")
     try:
+        foreign = target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir())
+    except OSError as exc:
+        raise OutputDirError(f"cannot read -o {out}: {exc.strerror or exc}", fix="name a readable directory") from exc
+    if foreign and not force:
+        raise OutputDirError(f"-o {out} is a directory hetplan did not write (no {MARKER} in it), and not "
+                             "empty: replacing it would delete its files",
+                             fix="name a new directory, or pass --force to replace this one")
+    return target
+
+
+def write_atomically(out: Path, fill: Callable[[Path], None], *, inputs: Iterable[str | Path] = (),
+                     force: bool = False) -> None:
+    """Build the output in a temporary sibling directory with `fill`, mark it as hetplan's, then swap it
+    in for `out` (checked with check_output_dir first, and again just before the swap)."""
+    inputs = tuple(inputs)
+    target = check_output_dir(out, inputs=inputs, force=force)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as exc:
+        raise OutputDirError(f"cannot create a directory beside -o {out}: {exc.strerror or exc}",
+                             fix="name a directory in a writable place") from exc
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())          # mkdtemp's 0700, as a plain mkdir would have it
         fill(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        (tmp / MARKER).write_text(MARKER_TEXT)
+        check_output_dir(out, inputs=inputs, force=force)   # what is there now, not when planning began
+        _swap(tmp, target)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputDirError(f"cannot write -o {out}: {exc.strerror or exc}",
+                             fix="free space or choose a writable directory") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _swap(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`; a previous `target` is moved aside first, and back should the rename fail.
+    Its runs move into the new `target/runs/`; only then is the rest of it deleted."""
+    if not target.exists():
+        os.replace(tmp, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.replace(target, old / "previous")
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.replace(old / "previous", target)
+        raise
+    _keep_runs(old / "previous", target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _keep_runs(previous: Path, target: Path) -> None:
+    """Move `previous/runs/*` and then `previous/run` into `target/runs/` (numbered as `plan run` numbers
+    them: 1, 2, ...), so re-planning into a directory never deletes a run's metrics and logs."""
+    def order(run: Path) -> tuple[int, int, str]:    # numbered runs by number, then any others by name
+        return (0, int(run.name), "") if run.name.isdigit() else (1, 0, run.name)
+
+    earlier = sorted((run for run in (previous / "runs").glob("*") if run.is_dir()), key=order)
+    if (previous / "run").is_dir():
+        earlier.append(previous / "run")
+    if not earlier:
+        return
+    runs = target / "runs"
+    runs.mkdir(exist_ok=True)
+    for number, run in enumerate(earlier, start=1):
+        os.replace(run, runs / str(number))
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write a file whole or not at all: into a temporary sibling, then renamed over `path` (a
+    directory there is refused: one line)."""
+    if path.is_dir():
+        raise OutputDirError(f"{path} is a directory", fix="name a file, e.g. report.html")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise OutputDirError(f"cannot write beside {path}: {exc.strerror or exc}",
+                             fix="choose a writable place") from exc
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputDirError(f"cannot write {path}: {exc.strerror or exc}",
+                             fix="free space or choose a writable place") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -7,17 +7,24 @@ import dataclasses
 import json
 from pathlib import Path
 
-from planner.cli.output_dir import write_atomically
+from planner.cli.args import OneLineParser, positive_number
+from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
 from planner.core import schedule
+from planner.core.errors import HetplanError
 from planner.core.ir import ProgramDefaults
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan", description="Plan training of MODEL on a heterogeneous cluster "
-                                "and emit a torch.distributed program. Subcommands: inspect OUT, run OUT.")
-    p.add_argument("model", help="model file defining model() and batch(batch_size, step)")
+    p = OneLineParser(prog="plan", description="Plan training of MODEL on a heterogeneous cluster "
+                      "and emit a torch.distributed program. Subcommands: inspect OUT, run OUT.")
+    p.add_argument("model", help="model file defining model() and batch(batch_size, step), or an .onnx graph "
+                                 "(cost-only: planned, no program emitted)")
     p.add_argument("--cluster", required=True, help="cluster spec (YAML)")
-    p.add_argument("-o", "--out", default="out", help="output directory (replaced atomically)")
+    p.add_argument("-o", "--out", default="out",
+                   help=f"output directory: a new or empty one, or a previous plan's (it holds {MARKER}), "
+                        "replaced atomically; never the current directory or one holding the inputs")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT even if it is a non-empty directory hetplan did not write")
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--strategy", default="ilp")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
@@ -37,11 +44,21 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=10.0,
                    help="solver work limit in CP-SAT deterministic seconds (reproducible, unlike wall time); "
                         "the best plan found, its bound and gap are reported")
-    p.add_argument("--lr", type=float, default=1e-3, help="default learning rate of the emitted program")
+    p.add_argument("--lr", type=positive_number("--lr"), default=1e-3,
+                   help="default learning rate of the emitted program")
+    p.add_argument("--trace-timeout", type=positive_number("--trace-timeout"), default=None, metavar="SECONDS",
+                   help="stop the model file's code (import, model(), batch(), loss, tracing) after this long "
+                        "(default: 300, planner.options.DEFAULT_TRACE_TIMEOUT_S)")
     p.add_argument("--model-fn", default="model")
     p.add_argument("--batch-fn", default="batch")
     p.add_argument("--loss-fn", default="loss_fn")
-    p.add_argument("--dump-ir", action="store_true", help="write the graph after each pass to OUT/ir/")
+    p.add_argument("--dump-ir", default=None, metavar="DIR",
+                   help="write the graph after each pass (001_meta_shapes.txt, ...), the costed problem the "
+                        "search reads (costed_problem.json) and its candidate configurations to DIR "
+                        "(outside OUT, which is replaced whole); written as planning goes, so a failed run "
+                        "leaves them too")
+    p.add_argument("--dump-cp-model", default=None, metavar="DIR",
+                   help="write every CP-SAT model the search solves to DIR as <name>.pbtxt, for a bug report")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file from `plan profile`: measured figures replace the datasheet's")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
@@ -57,10 +74,13 @@ def plan_parser() -> argparse.ArgumentParser:
 
 def cmd_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
+    inputs = [path for path in (args.model, args.cluster, args.calibration) if path]
+    check_output_dir(Path(args.out), inputs=inputs, force=args.force)   # before planning, not after it
     # the planner is imported once the arguments are known good: `plan --help` needs no torch
     from backends.report.terminal import summary
     from backends.torchdist.emit import emit_program
-    from planner.api import PlanOptions, plan
+    from planner.api import PlanOptions, RunControls, plan
+    from planner.frontend.onnx_model import is_onnx_file
 
     names = {"model": args.model_fn, "batch": args.batch_fn, "loss_fn": args.loss_fn}
     options = PlanOptions(global_batch=args.global_batch, strategy=args.strategy, precision=args.precision,
@@ -71,22 +91,53 @@ def cmd_plan(argv: list[str]) -> int:
                           calibration=args.calibration, runners_up=not args.no_runners_up,
                           objective=args.objective, optimizer=args.optimizer,
                           names={k: v for k, v in names.items() if v != k})
-    result = plan(args.model, args.cluster, options)
-    planned = dataclasses.replace(result.plan, program=ProgramDefaults(
+    controls = RunControls(dump_ir_dir=_dump_dir(args.dump_ir, args.out, "--dump-ir"),
+                           dump_cp_model_dir=_dump_dir(args.dump_cp_model, args.out, "--dump-cp-model"),
+                           **({"trace_timeout_s": args.trace_timeout} if args.trace_timeout else {}))
+    result = plan(args.model, args.cluster, options, controls)
+    cost_only = is_onnx_file(args.model)   # an ONNX graph has no torch code to emit a program from
+    planned = result.plan if cost_only else dataclasses.replace(result.plan, program=ProgramDefaults(
         learning_rate=args.lr, optimizer=args.optimizer, functions=tuple(sorted(options.names.items()))))
-    text = summary(planned)
+    text = summary(planned) + "\n" + _timings_text(result.timings_s, result.pass_timings_s)
+    text += f"\n{COST_ONLY_NOTE}\n" if cost_only else ""
 
     def fill(tmp: Path) -> None:
         planned.save(tmp / "plan.json")
         (tmp / "summary.txt").write_text(text)
-        (tmp / "solve.json").write_text(_timings_json(result.timings_s))
-        emit_program(planned, Path(args.model), tmp / "program", names=options.names, lr=args.lr,
-                     optimizer=args.optimizer)
+        (tmp / "solve.json").write_text(_timings_json(result.timings_s, result.pass_timings_s))
+        if not cost_only:
+            emit_program(planned, Path(args.model), tmp / "program")
 
-    write_atomically(Path(args.out), fill)
+    write_atomically(Path(args.out), fill, inputs=inputs, force=args.force)
+    if cost_only:
+        print(text + f"\nwrote {args.out}/plan.json and {args.out}/summary.txt")
+        return 0
     print(text + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
     return 0
 
 
-def _timings_json(timings: dict[str, float]) -> str:
-    return json.dumps({k: round(v, 6) for k, v in timings.items()}, indent=1, sort_keys=True) + "\n"
+COST_ONLY_NOTE = ("cost-only plan from an ONNX graph: no program emitted; run `plan export` on a PyTorch plan "
+                  "for ONNX stages")
+
+
+def _dump_dir(value: str | None, out: str, flag: str) -> Path | None:
+    """The folder a dump flag names; refused inside OUT, which the run replaces whole."""
+    if value is None:
+        return None
+    folder, out_dir = Path(value).resolve(), Path(out).resolve()
+    if folder == out_dir or out_dir in folder.parents:
+        raise HetplanError(f"{value} is inside the output directory {out}, which every run replaces whole",
+                           field=flag, fix=f"dump to a folder beside it, e.g. {flag} {out.rstrip('/')}-dump")
+    return folder
+
+
+def _timings_json(phases_s: dict[str, float], passes_s: dict[str, float]) -> str:
+    doc = {**{k: round(v, 6) for k, v in phases_s.items()}, "passes_s": {k: round(v, 6) for k, v in passes_s.items()}}
+    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+
+
+def _timings_text(phases_s: dict[str, float], passes_s: dict[str, float]) -> str:
+    """Planning time per phase, and the analysis passes inside the trace phase (the pass manager's)."""
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in phases_s.items())
+    passes = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in passes_s.items())
+    return f"planning time: {phases}\n  passes: {passes}\n"

@@ -1,43 +1,69 @@
-"""`plan run OUT`: run the emitted program on this machine (torchrun, gloo on CPU)."""
+"""`plan run OUT`: run the emitted program on this machine (torchrun, gloo on CPU), on loopback only.
+
+The plan is checked as `plan` checked it before it runs (plan_files.load_checked_plan); an earlier run
+folder is kept (`OUT/runs/<n>`); SIGTERM / SIGINT stop torchrun and every worker; a rank's death ends
+the run with one line. How: backends.torchdist.local_run.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
+import math
 import sys
 from pathlib import Path
 
-from planner.core.errors import PlanFileError
-from planner.core.ir import Plan
+from planner.cli.args import OneLineParser
+from planner.cli.plan_files import load_checked_plan
+from planner.core.errors import OptionError, PlanFileError
+
+DEFAULT_TIMEOUT_S = 60.0
 
 
-def cmd_run(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="plan run", description="Run the emitted program on this machine.")
+def run_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="plan run", description="Run the emitted program on this machine.")
     p.add_argument("out", help="plan directory")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=None)
-    p.add_argument("--save-final", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the plan's)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=None, help="default: the plan's")
+    p.add_argument("--save-final", action="store_true", help="write each rank's parameters to OUT/run/final/")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a rank may wait for a peer (a collective or a receive) before the run fails")
+    p.add_argument("--allow-changed", action="store_true",
+                   help="run a plan whose model file or spec changed since it was planned")
+    return p
+
+
+def cmd_run(argv: list[str]) -> int:
+    args = run_parser().parse_args(argv)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise OptionError(f"{args.timeout} is not a positive number of seconds", field="--timeout",
+                           fix="pass e.g. --timeout 60")
+    if args.steps < 0:
+        raise OptionError(f"{args.steps} is not a number of steps", field="--steps",
+                           fix="pass --steps 1 or more")
     out = Path(args.out)
-    program = out / "program" / "train.py"
-    if not program.is_file():
-        raise PlanFileError("no emitted program", file=str(program), fix=f"run `plan MODEL --cluster SPEC -o {out}`")
-    plan = Plan.load(out / "program" / "plan.json")
+    program = out / "program"
+    if not (program / "train.py").is_file():
+        raise PlanFileError("no emitted program", file=str(program / "train.py"),
+                            fix=f"run `plan MODEL --cluster SPEC -o {out}`")
+    plan = load_checked_plan(program / "plan.json", allow_changed=args.allow_changed)
+    # torch is imported once the plan is known good
+    from backends.torchdist.local_run import keep_previous_run, run_program
+
     run_dir = out / "run"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(plan.world_size), str(program), "--steps", str(args.steps), "--seed", str(args.seed),
-           "--out", str(run_dir)]
+    kept = keep_previous_run(run_dir)
+    if kept is not None:
+        print(f"plan run: the previous run is kept in {kept}", flush=True)
+    train_args = ["--steps", str(args.steps), "--seed", str(args.seed)]
     if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
+        train_args += ["--lr", repr(args.lr)]
     if args.optimizer:
-        cmd += ["--optimizer", args.optimizer]
+        train_args += ["--optimizer", args.optimizer]
     if args.save_final:
-        cmd.append("--save-final")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+        train_args.append("--save-final")
+    outcome = run_program(plan, program, run_dir, train_args, timeout_s=args.timeout)
+    if outcome.message:
+        print(outcome.message, file=sys.stderr, flush=True)
+    return outcome.returncode
+

@@ -15,9 +15,10 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from planner.core.errors import PlanFileError
 
@@ -74,6 +75,45 @@ class ReplicaPlan:
         return tuple(s.rank for s in self.stages)
 
 
+def bucket_ranges(numels: Sequence[int], cap_elems: int) -> list[tuple[int, int]]:
+    """Cut parameters (in order) into buckets of at most `cap_elems` elements ([start, stop) indices).
+
+    A parameter larger than the cap gets a bucket of its own. The cost model prices gradient groups
+    bucketed this way and the program buckets them the same way (CompressorSettings.bucket_ranges).
+    """
+    ranges: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, numel in enumerate(numels):
+        if i > start and size + numel > cap_elems:
+            ranges.append((start, i))
+            start, size = i, 0
+        size += numel
+    if numels:
+        ranges.append((start, len(numels)))
+    return ranges
+
+
+@dataclass(frozen=True)
+class CompressorSettings:
+    """What a gradient group's compressor runs with: the values the cost model priced it with, recorded
+    so that the program reads them from the plan (a later change of the cost model's defaults leaves
+    an emitted program as it was). Fields a compressor does not use stay at their default, unwritten."""
+
+    bucket_cap_bytes: int                  # fp32 gradients travel in buckets of at most this many bytes
+    rank: int = field(default=0, metadata=OPTIONAL)                        # powersgd: approximation rank
+    min_compression_rate: float = field(default=0.0, metadata=OPTIONAL)   # powersgd: compress a matrix
+    #                                          only if it shrinks at least this much
+    start_iter: int = field(default=0, metadata=OPTIONAL)                  # powersgd: exact steps first
+    warmup_fraction: float = field(default=0.0, metadata=OPTIONAL)         # onebit under AdamW (1-bit
+    #                                          Adam): exact AdamW for this fraction of the run's steps
+
+    FP32_BYTES: ClassVar[int] = 4          # gradients are bucketed as fp32
+
+    def bucket_ranges(self, numels: Sequence[int]) -> list[tuple[int, int]]:
+        """[start, stop) ranges of a group's parameters (element counts `numels`, in order), one per bucket."""
+        return bucket_ranges(numels, self.bucket_cap_bytes // self.FP32_BYTES)
+
+
 @dataclass(frozen=True)
 class GradGroup:
     index: int
@@ -83,6 +123,7 @@ class GradGroup:
     compressor: str
     algorithm: str
     estimated_s: float
+    settings: CompressorSettings | None = field(default=None, metadata=OPTIONAL)   # none: no settings
 
 
 @dataclass(frozen=True)
@@ -94,6 +135,7 @@ class P2PEdge:
     dst_rank: int
     bytes_per_sample: float
     compressor: str
+    block_elems: int = field(default=0, metadata=OPTIONAL)   # int8: elements per block (one fp32 scale)
 
 
 @dataclass(frozen=True)
@@ -107,6 +149,9 @@ class Estimates:
     capacity_bytes: tuple[float, ...]    # per rank
     busy_s: tuple[float, ...]            # per rank
     cost_per_sample: float | None = None
+    # a rank fits when memory_bytes <= capacity_bytes x (1 - memory_margin) (costmodel.memory.fits);
+    # the default is costmodel.constants.DEFAULT_MEMORY_MARGIN
+    memory_margin: float = field(default=0.1, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -188,17 +233,18 @@ class Plan:
     def from_json(text: str, source: str = "plan.json") -> Plan:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanFileError(f"not valid JSON: {exc}", file=source,
+        except (ValueError, RecursionError) as exc:   # JSONDecodeError; an integer of 5000 digits; deep nesting
+            raise PlanFileError(f"not valid JSON: {str(exc)[:120]}", file=source,
                                 fix="re-run `plan` to write it again") from exc
-        version = data.get("schema_version")
+        version = data.get("schema_version") if isinstance(data, dict) else None
         if version != SCHEMA_VERSION:
-            raise PlanFileError(f"schema_version {version}, this hetplan reads {SCHEMA_VERSION}",
+            raise PlanFileError(f"schema_version {str(version)[:20]}, this hetplan reads {SCHEMA_VERSION}",
                                 file=source, field="schema_version", fix="re-plan with this version")
         try:
-            return _build(Plan, data)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanFileError(f"malformed plan: {exc}", file=source, fix="re-run `plan`") from exc
+            return _build(Plan, data, "")
+        except MalformedPlan as exc:
+            raise PlanFileError(f"malformed plan: {exc}", file=source, field=exc.field,
+                                fix="re-run `plan`; do not edit plan.json") from exc
 
     @staticmethod
     def load(path: str | Path) -> Plan:
@@ -207,7 +253,11 @@ class Plan:
             p = p / "plan.json"
         if not p.is_file():
             raise PlanFileError("no plan here", file=str(p), fix="run `plan MODEL --cluster SPEC -o DIR` first")
-        return Plan.from_json(p.read_text(), str(p))
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanFileError(f"cannot read it: {str(exc)[:120]}", file=str(p), fix="re-run `plan`") from exc
+        return Plan.from_json(text, str(p))
 
 
 def _to_data(value: Any) -> Any:
@@ -236,24 +286,53 @@ def _default_of(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def _build(tp: Any, value: Any) -> Any:
-    """Rebuild typed dataclasses from JSON data, guided by the type hints."""
+class MalformedPlan(ValueError):
+    """A plan file's value does not have its field's type; `field` is its path (`replicas[0].stages`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field or 'the file'}: {message}")
+        self.field = field or None
+
+
+MAX_PLAN_INT = 1 << 53    # integers beyond a float's exact range are no plan's counts, sizes or indices
+
+
+def _build(tp: Any, value: Any, at: str = "") -> Any:
+    """Rebuild typed dataclasses from JSON data, guided by the type hints; every value is checked against
+    its field's type (an edited file is refused with the field's path, never half-read)."""
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if not isinstance(value, dict):
+            raise MalformedPlan(at, f"expected an object, got {type(value).__name__}")
         hints = typing.get_type_hints(tp)
-        kwargs = {f.name: _build(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)
-                  if f.name in value}
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            where = f"{at}.{f.name}" if at else f.name
+            if f.name in value:
+                kwargs[f.name] = _build(hints[f.name], value[f.name], where)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MalformedPlan(where, "missing")
         return tp(**kwargs)
     if origin is tuple:
         args = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise MalformedPlan(at, f"expected a list, got {type(value).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_build(args[0], v) for v in value)
-        return tuple(_build(a, v) for a, v in zip(args, value))
+            return tuple(_build(args[0], v, f"{at}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise MalformedPlan(at, f"expected {len(args)} items, got {len(value)}")
+        return tuple(_build(a, v, f"{at}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
         non_none = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _build(non_none[0], value)
+        return _build(non_none[0], value, at)
     if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or abs(value) > 1e300 or value != value:
+            raise MalformedPlan(at, f"expected a finite number, got {str(value)[:40]}")
         return float(value)
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PLAN_INT):
+        raise MalformedPlan(at, f"expected an integer up to 2**53, got {str(value)[:40]}")
+    if tp in (str, bool) and not isinstance(value, tp):
+        raise MalformedPlan(at, f"expected {'a string' if tp is str else 'true or false'}, got {str(value)[:40]}")
     return value

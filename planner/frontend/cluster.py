@@ -1,7 +1,10 @@
 """Load a cluster spec (`spec.yaml`) into the typed records of planner.core.cluster.
 
 `load_cluster(path)` is the only way in. Device and link figures a spec names but does not give come
-from the catalog (costmodel.catalog).
+from the catalog (costmodel.catalog). Names are checked at this edge: node-group, device-type and link
+names are safe names (planner.core.fields.NAME_PATTERN: they become device labels `group/node:local`,
+launch.sh comments, logs and report cells), the cluster's `name` is one line of printable text, and
+a spec describes at most MAX_DEVICES devices.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from pathlib import Path
 
 from costmodel.catalog import DEVICE_KEYS, FIGURES, NO_LINK, device_type, load_catalog, load_links
 from planner.core.cluster import ClusterSpec, DeviceType, Link, NodeGroup
-from planner.core.fields import Fields, read_yaml, yaml_kind
+from planner.core.fields import MAX_TEXT_CHARS, Fields, check_name, read_yaml, yaml_kind
 from planner.core.units import BYTES_S_PER_GBIT_S, BYTES_S_PER_GBYTE_S, US_PER_S
 
 NETWORK_KINDS = ("infiniband", "roce", "tcp", "loopback", "ethernet")
+MAX_DEVICES = 100_000           # count x per_node summed over node groups: checked before anything is built
+MAX_NAME_CHARS = 120            # the cluster's `name`, free text
 
 _LINK_KEYS = ("kind", "bandwidth_gbyte_s", "latency_us")
 _NETWORK_KEYS = ("kind", "bandwidth_gbit_s", "latency_us")
@@ -30,10 +35,11 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     file = str(path)
     top = Fields(file, read_yaml(Path(path), file), "", ("name", "devices", "nodes", "network"),
                   ("nodes",), "the cluster spec")
+    name = top.text("name", Path(path).stem[:MAX_TEXT_CHARS], max_chars=MAX_NAME_CHARS)
     catalog, links = load_catalog(), load_links()
     known = {**catalog, **_declared_types(top, catalog)}
     groups = _node_groups(top, known, links)
-    return ClusterSpec(top.text("name", Path(path).stem), groups, _inter_node(top, groups, links),
+    return ClusterSpec(name, groups, _inter_node(top, groups, links),
                        source_path=file, device_types={g.device.name: known[g.device.name] for g in groups})
 
 
@@ -44,6 +50,7 @@ def _declared_types(top: Fields, catalog: Mapping[str, DeviceType]) -> dict[str,
     section = top.sub("devices", None, (), "device types by name")
     declared: dict[str, DeviceType] = {}
     for name, raw in section.data.items():
+        check_name(name, "device type", top.file, section.at(name))
         derived = isinstance(raw, dict) and "base" in raw
         fields = section.sub(name, ("base", "slowdown", *DEVICE_KEYS), () if derived else FIGURES,
                              f"device type {name}")
@@ -60,14 +67,21 @@ def _node_groups(top: Fields, known: dict[str, DeviceType], links: dict[str, Lin
         top.fail("nodes", f"expected a non-empty list of node groups, got {got}",
                  "list at least one: - {name: a100, count: 1, device: A100-80GB, per_node: 8, ...}")
     groups: list[NodeGroup] = []
+    seen: dict[str, int] = {}
+    devices = 0
     for index, raw in enumerate(raw_groups):
         fields = Fields(top.file, raw, f"nodes[{index}]", _NODE_KEYS, _NODE_KEYS[:4],
                          "a node group {name, count, device, per_node, intra_link}")
-        name = fields.text("name")
-        if name in (seen := [g.name for g in groups]):
-            fields.fail("name", f"duplicate node group {name!r}, as nodes[{seen.index(name)}]",
+        name = fields.name("name", "node group name")
+        if name in seen:
+            fields.fail("name", f"duplicate node group {name!r}, as nodes[{seen[name]}]",
                         "give each node group its own name")
-        count, per_node = fields.integer("count"), fields.integer("per_node")
+        seen[name] = index
+        count, per_node = fields.integer("count", MAX_DEVICES), fields.integer("per_node", MAX_DEVICES)
+        devices += count * per_node
+        if devices > MAX_DEVICES:
+            fields.fail("count", f"the cluster has more than {MAX_DEVICES} devices (count x per_node, summed "
+                        f"over node groups, reaches {devices} here)", f"describe at most {MAX_DEVICES} devices")
         device = known[fields.choice("device", known, "device", "; or declare it under `devices:`")]
         if "price_per_hour" in fields.data:
             device = replace(device, price_per_hour=fields.number("price_per_hour", positive=False))
@@ -87,7 +101,7 @@ def _intra_link(fields: Fields, per_node: int, links: dict[str, Link]) -> Link:
     else:
         spec = fields.sub("intra_link", _LINK_KEYS, _LINK_KEYS,
                           f"a catalog link ({', '.join(links)}) or {{{', '.join(_LINK_KEYS)}}}")
-        link = Link(spec.text("kind"), spec.number("bandwidth_gbyte_s") * BYTES_S_PER_GBYTE_S,
+        link = Link(spec.name("kind", "link kind"), spec.number("bandwidth_gbyte_s") * BYTES_S_PER_GBYTE_S,
                     spec.number("latency_us", positive=False) / US_PER_S)
     if link.kind == NO_LINK and per_node > 1:
         fields.fail("intra_link", f"`{NO_LINK}` means no link, but per_node is {per_node}",

@@ -132,7 +132,7 @@ def find_stacks(module: nn.Module) -> list[Stack]:
             continue
         owned = [t for c in children for _, t in [*c.named_parameters(remove_duplicate=False),
                                                    *c.named_buffers(remove_duplicate=False)]]
-        varying = None if any(registrations[id(t)] != 1 for t in owned) else _varying(children)  # type: ignore[arg-type]
+        varying = None if any(registrations[id(t)] != 1 for t in owned) else _varying(children)
         if varying is not None:
             stacks.append(Stack(path, m, len(children), varying))
     return stacks

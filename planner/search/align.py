@@ -19,10 +19,11 @@ keep the CP-SAT model as small as one without alignment.
 
 from __future__ import annotations
 
+from costmodel import memory
 from costmodel.tables import CostTables
 from planner.search.pipeline import pipeline_at_s
 from planner.search.split import Lane, Split, equal_bounds, solve_shared_bounds, solve_split, stage_costs
-from planner.search.topology import cut_links
+from planner.search.topology import cuts
 
 Bounds = tuple[int, ...]
 # a candidate split's throughput is taken at up to this many micro-batches (planner.search.pipeline's
@@ -45,14 +46,14 @@ def conflicts(bounds: list[Bounds]) -> list[tuple[int, int]]:
 def split_for(tables: CostTables, cls: int, bounds: Bounds, micro_batch: int, recompute: bool) -> Split | None:
     """`bounds` costed on class `cls` at `micro_batch`; None when a stage does not fit its memory."""
     table = tables.classes[cls]
-    split = stage_costs(table, bounds, micro_batch, cut_links(tables, (cls,) * (len(bounds) - 1)), tables.grad_bytes,
+    split = stage_costs(table, bounds, micro_batch, cuts(tables, (cls,) * (len(bounds) - 1)), tables.grad_bytes,
                         recompute)
-    return split if max(split.stage_memory_bytes) <= table.capacity_bytes else None
+    return split if all(memory.fits(m, table.capacity_bytes) for m in split.stage_memory_bytes) else None
 
 
 def own_split(tables: CostTables, cls: int, num_stages: int, micro_batch: int) -> Split | None:
     """The class's best split at this micro-batch size; with recompute only when nothing else fits."""
-    links = cut_links(tables, (cls,) * num_stages)
+    links = cuts(tables, (cls,) * num_stages)
     table = tables.classes[cls]
     return (solve_split(table, num_stages, micro_batch, links, tables.grad_bytes)
             or solve_split(table, num_stages, micro_batch, links, tables.grad_bytes, recompute=True))
@@ -115,9 +116,9 @@ def _shared_at(tables: CostTables, classes: list[int], num_stages: int, micro_ba
     for ci in classes:
         split = own[(ci, micro_batch)]
         if split is not None:
-            lanes.append(Lane(tables.classes[ci], cut_links(tables, (ci,) * num_stages), split.recompute,
+            lanes.append(Lane(tables.classes[ci], cuts(tables, (ci,) * num_stages), split.recompute,
                               max(split.max_stage_s, 1e-12)))
-    lanes.sort(key=lambda ln: -ln.table.capacity_bytes)
+    lanes.sort(key=lambda ln: -ln.table.model_bytes)
     while lanes:
         bounds = solve_shared_bounds(lanes, num_stages, micro_batch)
         if bounds is not None:

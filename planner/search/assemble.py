@@ -1,14 +1,20 @@
 """Turn the solver's numbers into a Plan: devices and ranks, trimmed shares, micro-batches,
-stage records, point-to-point edges, gradient groups and estimates."""
+stage records, point-to-point edges, gradient groups and estimates.
+
+Assembly places and records; it decides nothing that changes time or memory. Each edge gets the
+activation compressor its cut's transfer was priced with in the split (Split.send_compressors);
+each gradient group the compressor the search's sync charges for it: the best the policy allows
+among those whose state every member's stage has the memory for (Config.stage_compressors,
+planner.search.compressors), with the runtime settings it was priced with. Each rank's memory is
+its stage's need by the one memory rule (costmodel.memory), compressor state included.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-from costmodel import activation_compression, compression, compute, memory
-from costmodel import constants as C
+from costmodel import compression, compute, memory
 from costmodel.tables import CostTables
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec, Device
@@ -25,7 +31,8 @@ from planner.core.ir import (
     StagePlan,
 )
 from planner.search.candidates import Choice, Config, Solution
-from planner.search.split import kept_activation_bytes
+from planner.search.compressors import group_allowed, stage_allowed
+from planner.search.schedules import stage_need_bytes
 
 
 @dataclass
@@ -98,22 +105,6 @@ def _micro_sizes(share: int, micro: int) -> tuple[int, ...]:
     return tuple([micro] * full + ([rest] if rest else []))
 
 
-def _with_activation_compressor(edge: P2PEdge, policy: str, replicas: list[ReplicaPlan],
-                                rank_device: dict[int, Device], spec: ClusterSpec) -> P2PEdge:
-    """`edge` with the fastest activation compressor `policy` allows for one micro-batch."""
-    if policy == "none":
-        return edge
-    replica = replicas[edge.replica]
-    src, dst = rank_device[edge.src_rank], rank_device[edge.dst_rank]
-    element_bytes = C.BYTES_PER_ELEMENT[replica.stages[edge.src_stage].precision]
-    nbytes = edge.bytes_per_sample * max(replica.micro_batch_sizes)
-    bandwidth = min(compression.kernel_bandwidth_bytes_s(d.type) for d in (src, dst))
-    launch = max(compute.op_overhead_s(d.type) for d in (src, dst))
-    cost = activation_compression.choose_activation(policy, nbytes, element_bytes, spec.link_between(src, dst),
-                                         bandwidth, launch)
-    return dataclasses.replace(edge, compressor=cost.name)
-
-
 def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
              inputs: PlanInputs, strategy: str) -> Plan:
     replicas = _allocate(spec, tables, solution.choices)
@@ -131,6 +122,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
     capacity_by_rank: list[float] = []
     busy_by_rank: list[float] = []
     device_labels: list[str] = []
+    stage_of_rank: list[tuple[Config, int]] = []
     for ri, rep in enumerate(replicas):
         cfg = rep.config
         S = cfg.num_stages
@@ -149,9 +141,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))
             in_flight = memory.in_flight_micro_batches(cfg.schedule, s, S, len(micro_sizes))
-            mem = sum(table.state_bytes[b] for b in range(lo, hi)) + kept_activation_bytes(
-                table, range(lo, hi), cfg.micro_batch, in_flight, recompute) \
-                + memory.framework_bytes(rep.devices[s].type)
+            mem = stage_need_bytes(table, range(lo, hi), cfg.micro_batch, in_flight, recompute)
             dev = rep.devices[s]
             stages.append(StagePlan(
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
@@ -163,9 +153,12 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             capacity_by_rank.append(float(dev.type.memory_bytes))
             busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))
             device_labels.append(dev.label)
+            stage_of_rank.append((cfg, s))
             if s > 0:
                 sender = tables.classes[cfg.classes[s - 1]]
-                p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank, sender.boundary_bytes[lo - 1], "none"))
+                codec = cfg.split.send_compressors[s - 1] if cfg.split.send_compressors else "none"
+                p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank, sender.boundary_bytes[lo - 1], codec,
+                                   block_elems=compression.INT8_BLOCK_ELEMS if codec == "int8" else 0))
             rank += 1
         group = "+".join(tables.classes[ci].name for ci in dict.fromkeys(cfg.classes))
         replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule, rep.time_s()))
@@ -173,9 +166,9 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
     all_devices = spec.devices()
     rank_device = {st.rank: all_devices[st.device] for rp in replica_plans for st in rp.stages}
     groups: dict[tuple[int, ...], list[str]] = {}
-    for p, ranks in holders.items():
-        if len(ranks) > 1:
-            groups.setdefault(tuple(sorted(ranks)), []).append(p)
+    for p, holding in holders.items():
+        if len(holding) > 1:
+            groups.setdefault(tuple(sorted(holding)), []).append(p)
     param_bytes = {p: size for b in blocks for p, size in zip(b.params, b.param_sizes)}
     policy = compression.compression_of(tables)
     grad_groups = []
@@ -184,31 +177,31 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
         nodes = {rank_device[r].node for r in ranks}
         link = spec.inter_node if len(nodes) > 1 else spec.link_between(rank_device[ranks[0]],
                                                                           rank_device[ranks[0]])
-        # the compressor the policy allows that syncs fastest (as the search costed it); its state
-        # (error feedback, PowerSGD P/Q) adds to each member's memory
+        # the compressor the policy allows that syncs fastest among those whose state every member has
+        # the memory for (as the search costed it); its state (error feedback, PowerSGD P/Q) adds to
+        # each member's memory
         bandwidth = min(compression.kernel_bandwidth_bytes_s(rank_device[r].type) for r in ranks)
         launch = max(compute.op_overhead_s(rank_device[r].type) for r in ranks)
-        cost = compression.choose_gradient(policy, params, nbytes, len(ranks), link, bandwidth, launch)
+        allowed = group_allowed(stage_allowed(*stage_of_rank[r]) for r in ranks)
+        cost = compression.choose_gradient(policy, params, nbytes, len(ranks), link, bandwidth, launch, allowed)
         grad_groups.append(GradGroup(gi, ranks, tuple(params), nbytes, cost.name, cost.algorithm,
-                                     cost.time_s))
+                                     cost.time_s, settings=compression.settings_of(cost.name)))
         for r in ranks:
             memory_by_rank[r] += cost.state_bytes
-    p2p = [_with_activation_compressor(edge, policy.activation_policy, replica_plans, rank_device, spec)
-           for edge in p2p]
 
     pipeline_s = max(r.estimated_s for r in replica_plans)
     iteration_s = pipeline_s + solution.sync_s
     world = rank
     bubble = 1.0 - sum(busy_by_rank) / (iteration_s * world) if iteration_s > 0 else 0.0
     prices = [rank_device[r].type.price_per_hour for r in range(world)]
-    cost = None
+    cost_per_sample = None
     if all(p is not None for p in prices):
-        cost = sum(p for p in prices if p is not None) / 3600.0 * iteration_s / tables.global_batch
+        cost_per_sample = sum(p for p in prices if p is not None) / 3600.0 * iteration_s / tables.global_batch
     estimates = Estimates(
         iteration_s=iteration_s, throughput_samples_s=tables.global_batch / iteration_s,
         pipeline_s=pipeline_s, sync_s=solution.sync_s, bubble_fraction=max(bubble, 0.0),
         memory_bytes=tuple(memory_by_rank), capacity_bytes=tuple(capacity_by_rank),
-        busy_s=tuple(busy_by_rank), cost_per_sample=cost)
+        busy_s=tuple(busy_by_rank), cost_per_sample=cost_per_sample, memory_margin=tables.memory_margin)
     gap = (solution.objective_s - solution.bound_s) / solution.objective_s if solution.objective_s else 0.0
     facts = SolverFacts(strategy, solution.status, solution.objective_s, solution.bound_s, max(gap, 0.0),
                         solution.configurations)

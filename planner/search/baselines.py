@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
+from costmodel import memory
 from costmodel.tables import ClassTable, CostTables
 from passes.verify import verify_plan
 from planner.core.blocks import Block
@@ -32,6 +33,7 @@ from planner.core.errors import PlanningError
 from planner.core.ir import Plan, PlanInputs
 from planner.search import candidates, topology
 from planner.search.assemble import assemble
+from planner.search.compressors import with_compressor_room
 from planner.search.configs import micro_batch_options, overlap_of, stage_count_options
 from planner.search.options import SearchOptions
 from planner.search.split import equal_bounds, solve_split, stage_costs
@@ -49,7 +51,7 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
     if num_stages > tables.num_blocks:
         return None
     intra = num_stages <= table.per_node
-    links = topology.cut_links(tables, (cls,) * num_stages)
+    links = topology.cuts(tables, (cls,) * num_stages)
     split = None
     for recompute in (False, True):
         if balanced:
@@ -57,7 +59,7 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
         else:
             candidate = stage_costs(table, equal_bounds(tables.num_blocks, num_stages), micro_batch, links,
                                     tables.grad_bytes, recompute)
-            fits = all(mem <= table.capacity_bytes for mem in candidate.stage_memory_bytes)
+            fits = all(memory.fits(mem, table.capacity_bytes) for mem in candidate.stage_memory_bytes)
             split = candidate if fits else None
         if split is not None:
             break
@@ -65,7 +67,7 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
         return None
     opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1]))
               for s in range(num_stages))
-    return candidates.Config(cls, num_stages, micro_batch, split, opt, intra)
+    return with_compressor_room(tables, [candidates.Config(cls, num_stages, micro_batch, split, opt, intra)])[0]
 
 
 def pipelines_per_class(table: ClassTable, num_stages: int) -> int:
@@ -95,7 +97,7 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     # less its overlap with the drain; misaligned splits' fragmented groups are not charged here
     configs = [c for c, _ in replicas]
     sync_s = max(split_sync_s(tables, c.cls, c.split.bounds, [len(replicas)], link,
-                              overlap_of(tables, configs, c.shape, c.split.bounds))[0]
+                              overlap_of(tables, configs, c.shape, c.split.bounds), c.stage_compressors)[0]
                  for c in dict.fromkeys(configs))
     counts: dict[tuple[candidates.Config, int], int] = {}
     for key in replicas:
@@ -245,8 +247,12 @@ def metis_solution(tables: CostTables, options: SearchOptions) -> candidates.Sol
 def as_gpipe(tables: CostTables, solution: candidates.Solution) -> candidates.Solution:
     """The baseline's replicas run GPipe (`--schedule gpipe`), re-estimated; they are chosen as 1F1B
     pipelines, as the baselines' own recipes do, and GPipe's memory is checked when the plan is verified."""
-    replicas = [(dataclasses.replace(c.config, schedule="gpipe"), c.share) for c in solution.choices
-                for _ in range(c.replicas)]
+    replicas = []
+    for c in solution.choices:
+        # GPipe holds all its micro-batches: the compressors its stages have room for follow from them
+        micro_batches = math.ceil(c.share / c.config.micro_batch)
+        gpipe = dataclasses.replace(c.config, schedule="gpipe", max_micro_batches=micro_batches)
+        replicas += [(with_compressor_room(tables, [gpipe])[0], c.share)] * c.replicas
     return evaluate(tables, replicas, solution.status)
 
 

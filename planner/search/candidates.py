@@ -25,6 +25,9 @@ class Config:
     schedule: str = "1f1b"          # one of planner.core.schedule.SCHEDULES
     # GPipe keeps every micro-batch's activations: the most micro-batches that fit (None: no limit)
     max_micro_batches: int | None = None
+    # per stage: the gradient compressors whose state fits beside its peak memory, decided by
+    # planner.search.compressors (None: not restricted, as without gradient compression)
+    stage_compressors: tuple[tuple[str, ...], ...] | None = None
 
     @property
     def classes(self) -> tuple[int, ...]:

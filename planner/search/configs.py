@@ -1,13 +1,14 @@
 """The candidate configurations the search chooses among: per (device class, stage count,
 micro-batch size) the best stage split (planner.search.split), shared splits across classes
 (align), pipelines across two classes (hetero), and each under 1F1B and, where it fits, GPipe
-(schedules)."""
+(schedules), with the gradient compressors each stage has the memory for (compressors)."""
 
 from __future__ import annotations
 
 from costmodel.tables import CostTables
 from planner.search import align, hetero, schedules
 from planner.search.candidates import Config
+from planner.search.compressors import with_compressor_room
 from planner.search.split import Split
 from planner.search.sync import drain_overlap_s
 
@@ -49,7 +50,7 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     for ci, table in enumerate(tables.classes):
         for S in stage_count_options(tables.num_blocks, table.num_devices, table.per_node, fixed_stages):
             by_stages.setdefault(S, []).append(ci)
-    configs = []
+    configs: list[Config] = []
     shared_by_stages = {}
     for S, classes in sorted(by_stages.items()):
         own = align.own_splits(tables, classes, S, micro_options)
@@ -63,7 +64,8 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     # for its own pipelines, so they are offered there only when no single-class pipeline fits
     if mixed_pipelines and (not configs or sum(t.num_devices for t in tables.classes) <= MIXED_MAX_DEVICES):
         configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
-    configs = schedules.with_schedules(tables, configs, schedule)
+    # each configuration's stages: which gradient compressors' state fits beside their peak memory
+    configs = with_compressor_room(tables, schedules.with_schedules(tables, configs, schedule))
     return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b"))
 
 

@@ -38,6 +38,7 @@ from planner.core.cluster import Link
 from planner.core.errors import PlanningError
 from planner.core.units import NS_PER_S
 from planner.search import align, candidates, ilp
+from planner.search.compressors import group_allowed
 from planner.search.configs import overlap_of
 from planner.search.sync import split_sync_s
 
@@ -85,6 +86,18 @@ def all_items(tables: CostTables, configs: list[candidates.Config], max_micro: i
 def shape_splits(configs: list[candidates.Config], items: list[Item]) -> dict[Shape, tuple[int, ...]]:
     """The split of each shape (within one family of nested splits a shape has one)."""
     return {configs[it.config].shape: configs[it.config].split.bounds for it in items}
+
+
+def shape_room(configs: list[candidates.Config], items: list[Item], shape: Shape,
+               ) -> list[frozenset[str] | None] | None:
+    """Per stage of `shape`: the gradient compressors every configuration of it has the memory for
+    (planner.search.compressors; None: not restricted). The enumeration charges a shape one sync, so
+    where its configurations differ (memory-tight stages) it takes the most constrained one, an
+    upper bound on the ILP's, which charges each its own."""
+    rooms = [configs[it.config].stage_compressors for it in items if configs[it.config].shape == shape]
+    if all(r is None for r in rooms):
+        return None
+    return [group_allowed(frozenset(r[s]) for r in rooms if r is not None) for s in range(len(shape))]
 
 
 def split_families(configs: list[candidates.Config], items: list[Item]) -> list[frozenset[tuple[int, ...]]]:
@@ -203,7 +216,8 @@ def _solve_family(tables: CostTables, configs: list[candidates.Config], items: l
             link = Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
             bounds = splits[shape]
             overlap = overlap_of(tables, configs, shape, bounds)
-            link_of[h] = [to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap)]
+            room = shape_room(configs, items, shape)
+            link_of[h] = [to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap, room)]
         for vec in vectors:
             counts = np.array(vec, dtype=np.int64)
             R = int(counts.sum())

@@ -10,7 +10,7 @@ GIB = float(1 << 30)
 def nothing_fits(tables: CostTables, stages: int | None) -> str:
     parts = []
     for t in tables.classes:
-        parts.append(f"{t.name} ({t.device_type}): {t.capacity_bytes / GIB:.1f} GiB usable per device")
+        parts.append(f"{t.name} ({t.device_type}): {t.model_bytes / GIB:.1f} GiB usable per device")
     state = max(sum(t.state_bytes) for t in tables.classes)
     largest_block = max(max(t.state_bytes) for t in tables.classes)
     depth = f" with {stages} stages" if stages else ""
@@ -20,7 +20,7 @@ def nothing_fits(tables: CostTables, stages: int | None) -> str:
 
 def what_would_fit(tables: CostTables) -> str:
     largest_block = max(max(t.state_bytes) for t in tables.classes)
-    best = max(t.capacity_bytes for t in tables.classes)
+    best = max(t.model_bytes for t in tables.classes)
     if largest_block > best:
         return (f"one block alone needs {largest_block / GIB:.2f} GiB but the largest device offers "
                 f"{best / GIB:.2f} GiB: use devices with more memory")

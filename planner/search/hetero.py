@@ -10,11 +10,12 @@ in flight. Portions longer than a node take whole nodes, as single-class pipelin
 
 from __future__ import annotations
 
+from costmodel import memory
 from costmodel.tables import CostTables
 from planner.search import align
 from planner.search.candidates import Config
 from planner.search.split import Lane, Split, costs_per_stage, solve_mixed_bounds
-from planner.search.topology import cut_links
+from planner.search.topology import cuts
 
 
 def portions(num_stages: int, first: int, second: int, tables: CostTables) -> list[int]:
@@ -34,9 +35,9 @@ def mixed_split(tables: CostTables, stage_classes: tuple[int, ...], bounds: tupl
     """`bounds` with stage s on class stage_classes[s], its stages recomputing where they must; None
     when a stage does not fit its memory even so."""
     stage_tables = [tables.classes[ci] for ci in stage_classes]
-    split = costs_per_stage(stage_tables, bounds, micro_batch, cut_links(tables, stage_classes),
+    split = costs_per_stage(stage_tables, bounds, micro_batch, cuts(tables, stage_classes),
                             tables.grad_bytes, recompute=True)
-    if any(mem > t.capacity_bytes for mem, t in zip(split.stage_memory_bytes, stage_tables)):
+    if not all(memory.fits(mem, t.capacity_bytes) for mem, t in zip(split.stage_memory_bytes, stage_tables)):
         return None
     return split
 
@@ -58,7 +59,7 @@ def stage_count_options(tables: CostTables, first: int, second: int) -> list[int
 def own_bounds(tables: CostTables, classes: tuple[int, ...], micro_batch: int, recompute: bool,
                ) -> tuple[int, ...] | None:
     """The mixed pipeline's own best split (for depths without a shared one that fits it)."""
-    links = cut_links(tables, classes)
+    links = cuts(tables, classes)
     lanes = [Lane(tables.classes[ci], links, recompute, 1.0)
              for ci in dict.fromkeys(classes)]
     index = {ci: i for i, ci in enumerate(dict.fromkeys(classes))}
@@ -96,7 +97,7 @@ def pairs(tables: CostTables) -> list[tuple[int, int]]:
     n = len(tables.classes)
     for a in range(n):
         for b in range(a + 1, n):
-            ca, cb = tables.classes[a].capacity_bytes, tables.classes[b].capacity_bytes
+            ca, cb = tables.classes[a].model_bytes, tables.classes[b].model_bytes
             if abs(ca - cb) <= 0.01 * max(ca, cb):
                 out += [(a, b), (b, a)]
             else:

@@ -77,6 +77,12 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     return items
 
 
+def sync_key(config: Config) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]:
+    """What a configuration's sync time depends on: its shape, its split and the gradient compressors
+    its stages have the memory for (() where not restricted)."""
+    return config.shape, config.split.bounds, config.stage_compressors or ()
+
+
 def replica_grid(max_replicas: int) -> list[int]:
     """1..16 exactly, then steps of about 6% (a sync estimate is off by at most that between points)."""
     grid = list(range(1, min(16, max_replicas) + 1))
@@ -145,13 +151,13 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
     for a, b in align.conflicts(splits):
         if len(splits[a]) != len(splits[b]):
             model.add_bool_or([split_used[a].Not(), split_used[b].Not()])
-    groups = sorted({(configs[it.config].shape, configs[it.config].split.bounds) for it in items},
-                    key=lambda g: (len(g[1]), g))
+    # one sync term per (shape, split, compressors its stages have the memory for): configurations
+    # whose stages fit different compressors are charged their own sync (planner.search.compressors)
+    groups = sorted({sync_key(configs[it.config]) for it in items}, key=lambda g: (len(g[1]), g))
     class_used: dict[int, list[cp_model.IntVar]] = {ci: [] for ci in range(len(tables.classes))}
-    for gi, (shape, bounds) in enumerate(groups):
+    for gi, (shape, bounds, room) in enumerate(groups):
         ci = shape[0]
-        members = [i for i, it in enumerate(items)
-                   if (configs[it.config].shape, configs[it.config].split.bounds) == (shape, bounds)]
+        members = [i for i, it in enumerate(items) if sync_key(configs[it.config]) == (shape, bounds, room)]
         group_used = model.new_bool_var(f"group{gi}")
         for i in members:
             model.add(n[i] <= n_max[i] * group_used)
@@ -159,7 +165,7 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
         table = tables.classes[ci]
         link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
         overlap = overlap_of(tables, configs, shape, bounds)
-        at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap)]
+        at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap, room or None)]
         model.add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
                   ).only_enforce_if(group_used)
     if one_node:

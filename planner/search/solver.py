@@ -48,10 +48,15 @@ def make_solver(settings: SolverSettings) -> cp_model.CpSolver:
     solver.parameters.presolve_inclusion_work_limit = PRESOLVE_INCLUSION_WORK_LIMIT
     solver.parameters.max_presolve_iterations = settings.presolve_iterations
     solver.parameters.cp_model_probing_level = settings.probing_level
+    # CP-SAT's own Ctrl-C handler ends the search as if its limit were reached (planning went on with
+    # that plan: the first Ctrl-C was lost) and leaves SIGINT at SIG_DFL (the next one killed the process
+    # without cleanup); without it, Ctrl-C is Python's KeyboardInterrupt once this solve returns
+    solver.parameters.catch_sigint_signal = False
     return solver
 
 
-def solve_model(model: cp_model.CpModel, settings: SolverSettings, name: str) -> tuple[cp_model.CpSolver, int]:
+def solve_model(model: cp_model.CpModel, settings: SolverSettings,
+                name: str) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
     """Solve `model`; with `settings.dump_dir`, write it there first as `<name>.pbtxt`. Returns the
     solver (for its values) and the status."""
     if settings.dump_dir is not None:

@@ -1,14 +1,16 @@
 """Contiguous stage split of the blocks for one pipeline shape, solved exactly.
 
 Given one device class, a stage count S and a micro-batch size m, choose contiguous block ranges
-minimising the slowest stage's time per micro-batch (compute, launches, boundary transfers)
-subject to each stage's memory (training state + activations of its in-flight micro-batches
-under 1F1B) fitting the device. A dynamic programme solves it exactly (the bottleneck contiguous
-partition; alpa's stage construction does the same); the top-level CP-SAT model then chooses
-among the shapes. With recompute (activation checkpointing of the whole stage) a stage keeps only
-its inputs per in-flight micro-batch and runs each forward twice. Recompute is decided per stage:
-where a split may recompute, exactly the stages whose activations do not fit otherwise do (under
-1F1B the first stages hold the most micro-batches, so they are the ones that need it).
+minimising the slowest stage's time per micro-batch (compute, launches, boundary transfers, each
+with the activation compressor the policy picks on its cut: topology.Cut) subject to each stage's
+memory (training state + activations of its in-flight micro-batches under 1F1B + the framework's)
+fitting the device by the one memory rule (costmodel.memory.fits). A dynamic programme solves it
+exactly (the bottleneck contiguous partition; alpa's stage construction does the same); the
+top-level CP-SAT model then chooses among the shapes. With recompute (activation checkpointing of
+the whole stage) a stage keeps only its inputs per in-flight micro-batch and runs each forward
+twice. Recompute is decided per stage: where a split may recompute, exactly the stages whose
+activations do not fit otherwise do (under 1F1B the first stages hold the most micro-batches, so
+they are the ones that need it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from costmodel import constants as C
+from costmodel import memory
+from costmodel.activation_compression import cut_transfer
 from costmodel.tables import ClassTable
+from planner.search.topology import Cut, Links
 
 NS_PER_S = 1e9
 
@@ -33,10 +39,11 @@ class Split:
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     send_s: tuple[float, ...]
-    stage_memory_bytes: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]      # per stage: its need at the 1F1B peak (memory.need_bytes)
     stage_grad_bytes: tuple[float, ...]
     optimal: bool
     stage_recompute: tuple[bool, ...]          # per stage: it recomputes its forward in the backward
+    send_compressors: tuple[str, ...] = ()     # per cut: the activation compressor its send_s assumes
 
     @property
     def num_stages(self) -> int:
@@ -86,8 +93,27 @@ def kept_activation_bytes(table: ClassTable, blocks: range, micro_batch: int, in
     return (stage_input * in_flight + sum(table.act_bytes[b] for b in blocks)) * micro_batch
 
 
-# per cut between stages s and s+1: (bandwidth bytes/s, latency s) of the link it crosses
-Links = tuple[tuple[float, float], ...]
+def cut_send(link: Cut | tuple[float, float], nbytes: float, element_bytes: int) -> tuple[float, str]:
+    """One transfer of `nbytes` over a cut (either way) and the activation compressor it runs with:
+    the one the cut's policy picks (costmodel.activation_compression.cut_transfer), else none."""
+    cut = Cut(*link)
+    if cut.codec is None:
+        return cut.latency_s + nbytes / cut.bandwidth_bytes_s, "none"
+    cost = cut_transfer(cut.codec, cut.bandwidth_bytes_s, cut.latency_s, nbytes, element_bytes)
+    return cost.time_s / 2, cost.name
+
+
+def _cut_times_s(link: Cut | tuple[float, float], boundary: np.ndarray, element_bytes: int) -> np.ndarray:
+    """Both transfers of a cut after each block (`boundary`: bytes per micro-batch), as cut_send."""
+    cut = Cut(*link)
+    if cut.codec is None:
+        return 2 * (cut.latency_s + boundary / cut.bandwidth_bytes_s)
+    return np.array([2 * cut_send(cut, float(x), element_bytes)[0] for x in boundary])
+
+
+def element_bytes(table: ClassTable) -> int:
+    """Bytes per activation element a stage of this class sends (its compute precision)."""
+    return C.BYTES_PER_ELEMENT[table.precision]
 
 
 def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, links: Links,
@@ -102,25 +128,29 @@ def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], mic
     """Evaluate a given split with stage s costed on stage_tables[s] (one device class per stage);
     with `recompute`, the stages whose activations do not fit their memory otherwise recompute."""
     S = len(bounds) - 1
-    mems, grads, fwds, bwds, sends, recomputes = [], [], [], [], [], []
+    mems, grads, fwds, bwds, sends, recomputes, codecs = [], [], [], [], [], [], []
     for s, table in enumerate(stage_tables):
         blocks = range(bounds[s], bounds[s + 1])
         state = sum(table.state_bytes[b] for b in blocks)
-        mem = state + kept_activation_bytes(table, blocks, micro_batch, S - s, False)
-        stage_recompute = recompute and mem > table.capacity_bytes
+        mem = memory.need_bytes(state, kept_activation_bytes(table, blocks, micro_batch, S - s, False),
+                                table.framework_bytes)
+        stage_recompute = recompute and not memory.fits(mem, table.capacity_bytes)
         if stage_recompute:
-            mem = state + kept_activation_bytes(table, blocks, micro_batch, S - s, True)
+            mem = memory.need_bytes(state, kept_activation_bytes(table, blocks, micro_batch, S - s, True),
+                                    table.framework_bytes)
         fwd, bwd = block_phases_s(table, blocks, micro_batch, stage_recompute)
         if s < S - 1:
-            bw, lat = links[s]
-            sends.append(lat + table.boundary_bytes[bounds[s + 1] - 1] * micro_batch / bw)
+            send, codec = cut_send(links[s], table.boundary_bytes[bounds[s + 1] - 1] * micro_batch,
+                                   element_bytes(table))
+            sends.append(send)
+            codecs.append(codec)
         mems.append(mem)
         grads.append(sum(grad_bytes[b] for b in blocks))
         fwds.append(fwd)
         bwds.append(bwd)
         recomputes.append(stage_recompute)
     return Split(tuple(bounds), tuple(fwds), tuple(bwds), tuple(sends), tuple(mems), tuple(grads),
-                 optimal=False, stage_recompute=tuple(recomputes))
+                 optimal=False, stage_recompute=tuple(recomputes), send_compressors=tuple(codecs))
 
 
 def equal_bounds(num_blocks: int, num_stages: int) -> tuple[int, ...]:
@@ -150,7 +180,8 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
             act = table.act_bytes[b] * micro_batch
             next_plain = plain + table.state_bytes[b] + act * in_flight
             next_recomputed = recomputed + table.state_bytes[b] + act
-            if (min(next_plain, next_recomputed) if recompute else next_plain) > table.capacity_bytes:
+            kept = min(next_plain, next_recomputed) if recompute else next_plain   # state + activations
+            if not memory.fits(memory.need_bytes(kept, 0.0, table.framework_bytes), table.capacity_bytes):
                 break
             plain, recomputed = next_plain, next_recomputed
             b += 1
@@ -220,7 +251,7 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
         pre_t_rec.append(np.concatenate([[0.0], np.cumsum(block_t_rec)]))
         # cut_t[s][b]: both transfers of the cut after stage s when block b ends that stage
         boundary = np.asarray(t.boundary_bytes, dtype=float) * m
-        cut_t.append([2 * (lat + boundary / bw) * ln.scale for bw, lat in ln.links])
+        cut_t.append([_cut_times_s(link, boundary, element_bytes(t)) * ln.scale for link in ln.links])
         pre_t.append(np.concatenate([[0.0], np.cumsum(block_t)]))
         pre_state.append(np.concatenate([[0.0], np.cumsum(t.state_bytes)]))
         pre_act.append(np.concatenate([[0.0], np.cumsum(t.act_bytes)]) * m)
@@ -231,7 +262,7 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
         in_flight = S - s
         for j in range(s + 1, N - (S - 1 - s) + 1):
             starts = np.arange(s, j) if s else np.array([0])
-            t = np.zeros(len(starts))
+            slowest = np.zeros(len(starts))
             fits = np.ones(len(starts), dtype=bool)
             for li, ln in enumerate(lanes):
                 if stage_lanes is not None and stage_lanes[s] != li:
@@ -240,14 +271,16 @@ def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None
                 lane_t = pre_t[li][j] - pre_t[li][starts] + cut
                 act = pre_act[li][j] - pre_act[li][starts]
                 state = pre_state[li][j] - pre_state[li][starts]
-                lane_fits = state + act * in_flight <= ln.table.capacity_bytes
+                framework, capacity = ln.table.framework_bytes, ln.table.capacity_bytes
+                lane_fits = memory.fits(memory.need_bytes(state, act * in_flight, framework), capacity)
                 if ln.recompute:   # as costs_per_stage: recompute exactly where plain does not fit
                     lane_t = np.where(lane_fits, lane_t, pre_t_rec[li][j] - pre_t_rec[li][starts] + cut)
-                    lane_fits |= state + act + stage_input[li] * in_flight <= ln.table.capacity_bytes
-                t = np.maximum(t, lane_t)
+                    kept = memory.need_bytes(state + act, stage_input[li] * in_flight, framework)  # inputs kept
+                    lane_fits |= memory.fits(kept, capacity)
+                slowest = np.maximum(slowest, lane_t)
                 fits &= lane_fits
             prev = best[s - 1][starts] if s else np.zeros(1)
-            cand = np.where(fits, np.maximum(prev, t), np.inf)
+            cand = np.where(fits, np.maximum(prev, slowest), np.inf)
             # among equal bottlenecks the latest start: earlier stages take the blocks. Under 1F1B
             # the first micro-batch reaches the slowest stage after the stages before it, and its
             # gradient drains back through them, so a slow stage costs least at the front.

@@ -4,18 +4,20 @@ Every stage all-reduces the gradients of its own parameters with the same stage 
 replicas. A parameter read by blocks of several stages (tied weights, e.g. an embedding reused as
 the output head) has a group of its own over every holder of every replica, which each holder
 runs before or after its own group: one more collective on that rank's path. The sync time is the
-slowest stage's: its own group (ring, or the best compressor the policy allows,
-costmodel.compression.shape_sync_s) plus each of its tied groups.
+slowest stage's: its own group plus each of its tied groups, each a ring all-reduce or, under a
+compression policy, the best compressor the policy allows among those whose state fits every holder
+(costmodel.compression.group_sync_s; the configuration's `stage_compressors`,
+planner.search.compressors): the compressor assembly records for that group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from costmodel.compression import shape_sync_s
-from costmodel.network import ring_allreduce_s
+from costmodel.compression import compression_of, group_sync_s
 from costmodel.tables import CostTables
 from planner.core.cluster import Link
+from planner.search.compressors import group_allowed
 
 
 def stage_sync_parts(tables: CostTables, bounds: tuple[int, ...]) -> list[tuple[float, list[tuple[float, int]]]]:
@@ -51,31 +53,66 @@ def drain_overlap_s(tables: CostTables, stage_classes: Sequence[int], bounds: tu
 
 
 def split_sync_s(tables: CostTables, cls: int, bounds: tuple[int, ...], replica_counts: Sequence[int],
-                 link: Link, overlap_s: Sequence[float] | None = None) -> list[float]:
+                 link: Link, overlap_s: Sequence[float] | None = None,
+                 allowed: Sequence[Collection[str] | None] | None = None) -> list[float]:
     """For each replica count: the sync time left after the pipeline ends, the slowest stage's (its
     own group, then its tied groups), less the stage's `overlap_s` (drain_overlap_s) where given.
     A stage with tied groups waits for every holder, so it overlaps only as much as the earliest
-    holder in the pipeline (the one that finishes last)."""
+    holder in the pipeline (the one that finishes last). `allowed`: per stage, the gradient
+    compressors whose state it has the memory for (Config.stage_compressors; None: any)."""
     parts = stage_sync_parts(tables, bounds)
     S = len(parts)
     overlap = list(overlap_s) if overlap_s is not None else [0.0] * S
     holders = _tied_holders(tables, bounds)
     start = [min([overlap[s]] + [overlap[h] for h in holders[s]]) for s in range(S)]
     # a stage syncing fewer bytes and starting no earlier than another untied stage is never slowest
-    candidates = [s for s in range(S) if parts[s][1]]
+    # (ring all-reduces; compressors differ per stage in what they save and in whether they fit)
+    every = compression_of(tables).compresses_gradients
+    candidates = [s for s in range(S) if parts[s][1] or every]
     best_overlap = float("inf")
-    for s in sorted((s for s in range(S) if not parts[s][1]), key=lambda s: (-parts[s][0], start[s])):
+    for s in sorted((s for s in range(S) if not (parts[s][1] or every)), key=lambda s: (-parts[s][0], start[s])):
         if start[s] < best_overlap:
             candidates.append(s)
             best_overlap = start[s]
+    fitting = list(allowed) if allowed is not None else [None] * S
+    own_params, tied_groups = _group_params(tables, bounds)
     worst = [0.0] * len(replica_counts)
     for s in candidates:
         own_bytes, tied = parts[s]
-        own = shape_sync_s(tables, cls, [range(bounds[s], bounds[s + 1])], own_bytes, replica_counts, link)
-        for i, R in enumerate(replica_counts):
-            t = own[i] + sum(ring_allreduce_s(nbytes, holders_n * R, link) for nbytes, holders_n in tied)
+        own = group_sync_s(tables, cls, own_params[s], own_bytes, replica_counts, link, fitting[s])
+        tied_s = [group_sync_s(tables, cls, params, nbytes, [holders_n * R for R in replica_counts], link,
+                               group_allowed(fitting[h] for h in holder_stages))
+                  for (nbytes, holders_n), (params, holder_stages) in zip(tied, tied_groups[s])]
+        for i in range(len(replica_counts)):
+            t = own[i] + sum(times[i] for times in tied_s)
             worst[i] = max(worst[i], t - start[s])
     return worst
+
+
+def _group_params(tables: CostTables, bounds: tuple[int, ...],
+                  ) -> tuple[list[list[str]], list[list[tuple[list[str], set[int]]]]]:
+    """Per stage: the parameters of its own group, and per tied group it joins (in stage_sync_parts'
+    order) the tied parameter and its holder stages; empty without gradient compression (the ring
+    all-reduce needs bytes only)."""
+    S = len(bounds) - 1
+    compression = compression_of(tables)
+    stage_of = {b: s for s in range(S) for b in range(bounds[s], bounds[s + 1])}
+    names = compression.tied_params() if compression.compresses_gradients else ()
+    tied: list[list[tuple[list[str], set[int]]]] = [[] for _ in range(S)]
+    shared: set[str] = set()
+    for i, (blocks, _) in enumerate(tables.tied):
+        holders = {stage_of[b] for b in blocks}
+        if len(holders) > 1:
+            name = names[i] if i < len(names) else f"tied.{i}"   # unknown: costed as a vector of its bytes
+            shared.add(name)
+            for h in sorted(holders):
+                tied[h].append(([name], holders))
+    own: list[list[str]] = [[] for _ in range(S)]
+    if compression.compresses_gradients and compression.block_params:
+        for s in range(S):
+            params = dict.fromkeys(p for b in range(bounds[s], bounds[s + 1]) for p in compression.block_params[b])
+            own[s] = [p for p in params if p not in shared]
+    return own, tied
 
 
 def _tied_holders(tables: CostTables, bounds: tuple[int, ...]) -> list[set[int]]:

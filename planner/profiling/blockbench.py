@@ -2,7 +2,7 @@
 per-op figures are compared with (`benchmarks/single_device.py`).
 
 The model is built with its real weights on the device and traced at the micro-batch size (as the emitted
-program does, `backends.torchdist.runtime`), then split into one stage per planner block with the lowering
+program does, `backends.torchdist.program.stages`), then split into one stage per planner block with the lowering
 pass (`passes.split.split_stages` at the blocks' last nodes). Each stage runs alone on the values the
 stages before it produced (received activations require grad, as in a pipeline stage): forward, then
 backward from a gradient of ones on every output that has one. The model's loss is not part of any block
@@ -17,12 +17,13 @@ more per op on CPU: measured here, ~10 us for a small transpose). Floating input
 accumulate their gradients from one repetition to the next (as over a step's micro-batches, and as the
 weights of `microbench.measure_case` do), while an activation's gradient is taken anew each time.
 
-Timing follows `planner.profile.microbench` (`fwd_bwd_times_s`: `disturb()` before every repetition, medians,
+Timing follows `planner.profiling.microbench` (`fwd_bwd_times_s`: `disturb()` before every repetition, medians,
 CPU seconds of this process on a CPU device, wall seconds with a device synchronise on CUDA).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,7 +37,7 @@ from costmodel.ops import OpCounter, op_name
 from passes.split import StageSplit, split_stages
 from planner import frontend
 from planner.core.blocks import OpCount
-from planner.profile.microbench import CHAIN_OPS, fwd_bwd_times_s
+from planner.profiling.microbench import CHAIN_OPS, fwd_bwd_times_s
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def measure_blocks(gm: fx.GraphModule, inputs: tuple[Any, ...], last_nodes: list
     blocks = []
     for stage, args in zip(split.stages, _stage_inputs(split, inputs), strict=True):
         received = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        blocks.append(_timed(lambda m=stage.module, a=args: m(*a), device, repeats, received))
+        blocks.append(_timed(functools.partial(stage.module, *args), device, repeats, received))
     whole = _timed(lambda: gm(*inputs), device, repeats, [])
     return ModelRun(micro_batch, tuple(blocks), whole)
 

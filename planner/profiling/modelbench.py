@@ -5,7 +5,7 @@ the model file's `batch()`, forward with its loss, backward, synchronise the gra
 emitted program's own code (`GradientSync`) over the computing workers, AdamW step and zero_grad.
 Each phase is timed inside that loop, so every measurement carries what surrounds it in a real step
 (caches left cold by the other phases and processes, a collective entered right after compute) -
-which microbenchmarks in a loop miss (see `planner.profile.microbench`). The micro-batch sizes alternate
+which microbenchmarks in a loop miss (see `planner.profiling.microbench`). The micro-batch sizes alternate
 over `MODEL_ROUNDS` rounds, so that changes of load hit them alike.
 
 Compute phases (batch, forward, backward, update) are timed in CPU seconds (`microbench.work_clock`;
@@ -39,7 +39,7 @@ def measure_model(path: str, device: torch.device, repeats: int, micro_batches: 
 
     `group` holds the computing workers (`group_ranks`); its all-reduce is the measured sync. The model
     key comes from the planner's own trace on meta (`costmodel.calibration.model_key`)."""
-    from backends.torchdist.gradsync import GradientSync
+    from backends.torchdist.program.gradsync import GradientSync
     from costmodel.calibration import model_key
     from planner import frontend
     from planner.api import trace_model_file
@@ -89,7 +89,7 @@ def large_micro_batch(model_file: Any, traced: dict[int, Any], device: torch.dev
     import math
 
     from planner import frontend
-    from planner.profile.microbench import work_clock
+    from planner.profiling.microbench import work_clock
 
     clock = work_clock(device)
     costs = []
@@ -118,7 +118,7 @@ def _one_step(model_file: Any, gm: Any, rows: int, step: int, device: torch.devi
     import time
 
     from planner import frontend
-    from planner.profile.microbench import work_clock
+    from planner.profiling.microbench import work_clock
 
     clock = work_clock(device)
     step_start = time.perf_counter()

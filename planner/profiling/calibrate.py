@@ -1,13 +1,13 @@
 """`plan profile`: measure this machine's device and write a calibration file.
 
-Runs `max(concurrency, 2)` worker processes (`planner.profile.calibrate_worker`) on gloo (a free local
+Runs `max(concurrency, 2)` worker processes (`planner.profiling.calibrate_worker`) on gloo (a free local
 port, a short collective timeout); the first `concurrency` of them run every compute benchmark at the
 same time, so the figures describe one rank of a job with that many processes sharing the host (the
 emitted program on CPU runs one single-threaded process per device); on a CPU they are timed in CPU
 seconds and windows of CPU-bound work on all of them at once give the share of a core each gets
 (`host_sharing.contention_factor`). Pairs of workers, then all of them, measure point-to-point (also
 while the others compute, as in a pipeline) and all-reduce; with `--model`, the computing workers train
-the model together for a few steps (`planner.profile.modelbench`). This parent fits the medians over workers
+the model together for a few steps (`planner.profiling.modelbench`). This parent fits the medians over workers
 and writes the JSON that `costmodel.calibration.load_calibration` reads, with the load other processes
 put on the host meanwhile (`host_load`). Children are reaped on success, failure or timeout.
 """
@@ -150,19 +150,23 @@ def profile(*, quick: bool = False, concurrency: int = 1, device: str = "cpu", d
     return doc
 
 
+PACKAGES_ROOT = Path(__file__).resolve().parents[2]     # planner/profiling/calibrate.py -> the checkout
+
+
 def _spawn(procs: list[tuple[subprocess.Popen[bytes], Any]], world: int, port: int, tmp: str, quick: bool,
            concurrency: int, device: str, models: tuple[str, ...]) -> None:
     """Start the workers, appending each (process, log file) to `procs` as soon as it runs."""
     for rank in range(world):
-        cmd = [sys.executable, "-m", "planner.profile.calibrate_worker", "--rank", str(rank), "--world", str(world),
+        cmd = [sys.executable, "-m", "planner.profiling.calibrate_worker", "--rank", str(rank), "--world", str(world),
                "--port", str(port), "--dir", tmp, "--concurrency", str(concurrency), "--device", device]
         cmd += ["--quick"] if quick else []
         for m in models:
             cmd += ["--model", str(Path(m).resolve())]
         log = open(Path(tmp) / f"worker{rank}.log", "w")  # noqa: SIM115 (closed by _wait_all)
         try:
+            # from the folder that holds the packages: `-m` puts the working directory first on sys.path
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                    cwd=PACKAGES_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         except BaseException:
             log.close()
             raise
@@ -266,7 +270,7 @@ def _medians(per_rank: list[list[dict[str, Any]]], keys: tuple[str, ...]) -> lis
     return out
 
 
-def _optimizer_fit(points: list[dict[str, float]]) -> dict[str, float]:
+def _optimizer_fit(points: list[dict[str, float]]) -> dict[str, float | str]:
     """time = per_step_s + tensors * per_tensor_s + param_bytes / rate, all terms non-negative."""
     per_step, per_tensor, per_byte = fit_nonneg(
         [[1.0] * len(points), [p["tensors"] for p in points], [p["param_bytes"] for p in points]],

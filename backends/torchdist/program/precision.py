@@ -25,8 +25,9 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from backends.torchdist.comm import uses_cuda
 from planner.core.ir import Plan, StagePlan
+
+from .placement import uses_cuda
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """Plan precision -> autocast dtype; any other precision (fp32, tf32) runs without autocast."""
@@ -41,7 +42,7 @@ def compute_dtype(precision: str, device_type: str, cpu_autocast: bool = False) 
 
 
 def stage_compute_dtype(stage: StagePlan, cpu_autocast: bool = False) -> torch.dtype:
-    """`compute_dtype` of a plan stage on the device its rank runs on (see comm.uses_cuda)."""
+    """`compute_dtype` of a plan stage on the device its rank runs on (see placement.uses_cuda)."""
     return compute_dtype(stage.precision, "cuda" if uses_cuda(stage) else "cpu", cpu_autocast)
 
 

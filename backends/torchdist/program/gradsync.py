@@ -4,10 +4,10 @@ group's compressor, summing over the group's ranks.
 Losses are pre-weighted by rows / global batch, so the update needs the SUM of a parameter's
 gradients over its holders (replicas, and stages sharing a tied weight):
 
-  none        one flat fp32 SUM all-reduce per group (comm.allreduce_sum_): bit-exact, as before
-  compressed  the group's gradients in buckets (costmodel.compression.bucket_ranges), each averaged
-              by the group's compressor (backends.compression: fp16 / bf16 / PowerSGD / 1-bit), then
-              multiplied by the group size: mean x k = sum
+  none        one flat fp32 SUM all-reduce per group (allreduce_sum_): bit-exact
+  compressed  the group's gradients in buckets (the plan's GradGroup.settings), each averaged by
+              the group's compressor (backends.compression: fp16 / bf16 / PowerSGD / 1-bit, run with
+              the settings the plan records), then multiplied by the group size: mean x k = sum
 
 Each group has its own compressor, created once, so its state (error feedback, PowerSGD's P/Q and
 iteration count) persists across steps; buckets are keyed by their index within the group.
@@ -25,24 +25,29 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from backends.compression import GradientCompressor, MomentumExchange, make_compressor
-from backends.torchdist.comm import allreduce_sum_
 from costmodel import compression as costs
+from planner.core.errors import PlanFileError
 from planner.core.ir import GradGroup
 
 
-def compressor_options(name: str) -> dict[str, Any]:
-    """Constructor options of compressor `name`: the values the cost model assumes."""
-    if name == "powersgd":
-        return {"rank": costs.POWERSGD_RANK, "start_iter": costs.POWERSGD_START_ITER,
-                "min_compression_rate": costs.POWERSGD_MIN_COMPRESSION_RATE}
-    return {}
+def allreduce_sum_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> int:
+    """Sum `tensors` across the group in one flat buffer; returns the bytes reduced."""
+    if not tensors:
+        return 0
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+    return flat.numel() * flat.element_size()
 
 
 @dataclass
@@ -69,11 +74,14 @@ class GradientSync:
                 continue
             pg = process_groups[group.index]
             members = [params[name] for name in group.params]
-            compressor = None
+            compressor, buckets = None, []
             if group.compressor != "none":
-                compressor = make_compressor(group.compressor, pg, **compressor_options(group.compressor))
-            buckets = costs.bucket_ranges([p.numel() for p in members],
-                                          costs.GRAD_BUCKET_CAP_BYTES // costs.FP32_BYTES)
+                if group.settings is None:
+                    raise PlanFileError(f"gradient group {group.index} uses {group.compressor} without its "
+                                        "settings (a plan from an earlier hetplan)", field="grad_groups.settings",
+                                        fix="re-plan with this hetplan version")
+                compressor = make_compressor(group.compressor, pg, group.settings)
+                buckets = group.settings.bucket_ranges([p.numel() for p in members])
             self.groups.append(_Group(group, pg, members, compressor, buckets))
         self.bytes_reduced = 0
         self.wire_bytes_by_group: dict[int, int] = {}
@@ -83,6 +91,25 @@ class GradientSync:
     def wire_bytes(self) -> int:
         """Measured payload bytes this rank handed to gradient collectives in the last `sync`."""
         return sum(self.wire_bytes_by_group.values())
+
+    def reset_counters(self) -> None:
+        """Start a step's counts: gradient bytes reduced, wire bytes per group, momentum exchanged."""
+        self.bytes_reduced = 0
+        self.wire_bytes_by_group = {}
+        for exchange in self.exchanges:
+            exchange.reset_counters()
+
+    def step_grad_bytes(self) -> int:
+        """Gradient bytes (uncompressed) synchronised this step (1-bit Adam's groups: their momentum)."""
+        return self.bytes_reduced + sum(e.exchanged_bytes for e in self.exchanges)
+
+    def step_wire_bytes_by_group(self) -> dict[int, int]:
+        """Measured payload bytes per gradient group this step: gradients or 1-bit Adam's momentum."""
+        merged = dict(self.wire_bytes_by_group)
+        for exchange in self.exchanges:
+            if exchange.wire_bytes:
+                merged[exchange.key] = merged.get(exchange.key, 0) + exchange.wire_bytes
+        return merged
 
     def momentum_exchanges(self) -> list[tuple[list[nn.Parameter], MomentumExchange]]:
         """For 1-bit Adam: each `onebit` group's parameters and a momentum exchange that takes over its
@@ -130,4 +157,5 @@ def group_payload_bytes(group: GradGroup, shapes: Mapping[str, tuple[int, ...]])
     `shapes` maps parameter names to shapes (e.g. from the model); the figure `sync` measures.
     """
     volume = costs.GradVolume(group.nbytes, tuple(tuple(shapes[p]) or (1,) for p in group.params))
-    return costs.compress_volume(group.compressor, volume).payload_bytes if len(group.ranks) > 1 else 0.0
+    return costs.compress_volume(group.compressor, volume, group.settings).payload_bytes if len(group.ranks) > 1 \
+        else 0.0

@@ -7,7 +7,7 @@ Compute rates and per-op overheads per op class, optimizer cost, the share of a 
 all-reduce between local processes, and the framework's memory; with `--model`, the whole model's
 forward and backward time on real tensors (the cost model then scales its per-block estimates of that
 model to the measured totals). Load from other processes meanwhile is recorded, with a warning when it
-was high. See `planner.profile.calibrate` for the method and `costmodel.calibration` for the file.
+was high. See `planner.profiling.calibrate` for the method and `costmodel.calibration` for the file.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
 
 def cmd_profile(argv: list[str]) -> int:
     """Entry of `plan profile`; errors are `HetplanError`s, turned into one line by the CLI."""
-    from planner.profile.calibrate import profile, write_calibration
+    from planner.profiling.calibrate import profile, write_calibration
 
     args = _parser().parse_args(argv)
     if args.concurrency < 1:

@@ -1,8 +1,8 @@
-"""One `plan profile` worker process: `python -m planner.profile.calibrate_worker --rank R --world W ...`.
+"""One `plan profile` worker process: `python -m planner.profiling.calibrate_worker --rank R --world W ...`.
 
 Joins a gloo group on localhost, records its memory after start-up, runs the benchmarks of
-`planner.profile.microbench` in step with the other workers (a barrier before each point), and writes its
-raw measurements to `DIR/rank{R}.json` for the parent (`planner.profile.calibrate`) to fit.
+`planner.profiling.microbench` in step with the other workers (a barrier before each point), and writes its
+raw measurements to `DIR/rank{R}.json` for the parent (`planner.profiling.calibrate`) to fit.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def describe(device: torch.device) -> tuple[str, str]:
 def _framework_bytes() -> float:
     """Peak memory after what every emitted program does before its model: import the runtime and
     trace (torch.export) a model; a small one here, so the figure is the framework's own."""
-    from backends.torchdist import runtime  # noqa: F401  (the import is the measurement)
+    from backends.torchdist.program import pipeline  # noqa: F401  (the import is the measurement)
     from planner import frontend
 
     small = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
@@ -87,8 +87,8 @@ def worker_main(argv: list[str]) -> int:
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=WORKER_COLLECTIVE_TIMEOUT_S))
     result: dict[str, Any] = {"torch_process_group_bytes": _peak_rss_bytes()}
-    from planner.profile import microbench as mb
-    from planner.profile.calibrate import (
+    from planner.profiling import microbench as mb
+    from planner.profiling.calibrate import (
         CONTENTION_WINDOW_S,
         CONTENTION_WINDOWS,
         FULL_REPEATS,
@@ -120,7 +120,7 @@ def worker_main(argv: list[str]) -> int:
         result["contention"] = [in_step(lambda: mb.measure_contention(CONTENTION_WINDOW_S)) for _ in range(windows)]
     solo = [dist.new_group([r]) for r in range(args.world)][args.rank]   # new_group is collective
     result["optimizer"] = in_step(lambda: mb.measure_update(device, args.quick, repeats, solo))
-    from planner.profile.modelbench import computing_group, measure_model
+    from planner.profiling.modelbench import computing_group, measure_model
 
     group, ranks = computing_group(args.world, args.concurrency)
     result["models"] = [in_step(lambda m=m: measure_model(m, device, repeats, MODEL_MICRO_BATCHES, group, ranks))

@@ -21,6 +21,7 @@ the mlp example's forward+backward 1.7 ms against 0.9-1.3 ms).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,24 @@ def rand(*shape: int, device: torch.device, dtype: torch.dtype, grad: bool = Tru
     return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
 
 
+@dataclass(frozen=True)
+class Rand:
+    """An extra argument of a case that is a random tensor of `shape` (the others are passed as given)."""
+
+    shape: tuple[int, ...]
+
+
+def make_inputs(x_shape: tuple[int, ...], *extra: Any) -> Callable[[torch.device, torch.dtype],
+                                                                tuple[torch.Tensor, tuple[Any, ...]]]:
+    """A case's `make`: the chained input of `x_shape`, then `extra` with each `Rand` made a tensor."""
+
+    def make(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        x = rand(*x_shape, device=device, dtype=dtype)
+        return x, tuple(rand(*e.shape, device=device, dtype=dtype) if isinstance(e, Rand) else e for e in extra)
+
+    return make
+
+
 def compute_cases(quick: bool) -> list[Case]:
     """Sizes spanning dispatch-bound (a few rows) to rate-bound (MFLOPs per op) on a CPU core."""
     rows = (1, 256) if quick else (1, 64, 512)
@@ -77,39 +96,25 @@ def compute_cases(quick: bool) -> list[Case]:
     for d in ((128, 512) if quick else (64, 256, 512)):
         for n in rows:
             cases.append(Case("matmul", f"linear {n}x{d}", aten.linear.default,
-                              lambda dev, dt, n=n, d=d: (rand(n, d, device=dev, dtype=dt),
-                                                         (rand(d, d, device=dev, dtype=dt),
-                                                          rand(d, device=dev, dtype=dt)))))
+                              make_inputs((n, d), Rand((d, d)), Rand((d,)))))
     for c, hw in (((16, 8), (32, 32)) if quick else ((8, 8), (16, 16), (32, 32), (16, 32))):
         cases.append(Case("conv", f"conv3x3 {c}ch {hw}px", aten.conv2d.default,
-                          lambda dev, dt, c=c, hw=hw: (rand(2, c, hw, hw, device=dev, dtype=dt),
-                                                       (rand(c, c, 3, 3, device=dev, dtype=dt), None, [1, 1],
-                                                        [1, 1]))))
+                          make_inputs((2, c, hw, hw), Rand((c, c, 3, 3)), None, [1, 1], [1, 1])))
     for b, s in (((1, 32), (8, 128)) if quick else ((1, 32), (4, 64), (8, 128))):
         cases.append(Case("attention", f"sdpa {b}x4x{s}x16", aten.scaled_dot_product_attention.default,
-                          lambda dev, dt, b=b, s=s: (rand(b, 4, s, 16, device=dev, dtype=dt),
-                                                     (rand(b, 4, s, 16, device=dev, dtype=dt),
-                                                      rand(b, 4, s, 16, device=dev, dtype=dt))),
-                          (("is_causal", True),)))
+                          make_inputs((b, 4, s, 16), Rand((b, 4, s, 16)), Rand((b, 4, s, 16))), (("is_causal", True),)))
     for n in ((8, 2048) if quick else (4, 256, 4096)):
         cases += [
-            Case("elementwise", f"gelu {n}x128", aten.gelu.default,
-                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt), ())),
-            Case("elementwise", f"add {n}x128", aten.add.Tensor,
-                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt), (rand(n, 128, device=dev, dtype=dt),))),
+            Case("elementwise", f"gelu {n}x128", aten.gelu.default, make_inputs((n, 128))),
+            Case("elementwise", f"add {n}x128", aten.add.Tensor, make_inputs((n, 128), Rand((n, 128)))),
             Case("elementwise", f"layer_norm {n}x128", aten.layer_norm.default,
-                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt),
-                                       ([128], rand(128, device=dev, dtype=dt), rand(128, device=dev, dtype=dt)))),
+                 make_inputs((n, 128), [128], Rand((128,)), Rand((128,)))),
             Case("elementwise", f"group_norm {n // 4}x16x8x8", aten.group_norm.default,
-                 lambda dev, dt, n=n: (rand(max(n // 4, 1), 16, 8, 8, device=dev, dtype=dt),
-                                       (4, rand(16, device=dev, dtype=dt), rand(16, device=dev, dtype=dt)))),
-            Case("elementwise", f"relu {n}x128", aten.relu.default,
-                 lambda dev, dt, n=n: (rand(n, 128, device=dev, dtype=dt), ())),
+                 make_inputs((max(n // 4, 1), 16, 8, 8), 4, Rand((16,)), Rand((16,)))),
+            Case("elementwise", f"relu {n}x128", aten.relu.default, make_inputs((n, 128))),
         ]
-    cases.append(Case("view", "transpose", aten.transpose.int,
-                      lambda dev, dt: (rand(16, 16, device=dev, dtype=dt), (0, 1))))
-    cases.append(Case("view", "view", aten.view.default,
-                      lambda dev, dt: (rand(16, 16, device=dev, dtype=dt), ([16, 16],))))
+    cases.append(Case("view", "transpose", aten.transpose.int, make_inputs((16, 16), 0, 1)))
+    cases.append(Case("view", "view", aten.view.default, make_inputs((16, 16), [16, 16])))
     return cases
 
 
@@ -201,10 +206,10 @@ def measure_case(case: Case, device: torch.device, dtype: torch.dtype, repeats: 
 
 def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: Any) -> list[dict[str, float]]:
     """The program's per-step parameter update, per (tensors, size): on CPU its gradient synchronisation
-    code (`backends.torchdist.gradsync.GradientSync`: flatten, all-reduce, copy back) over a one-process
+    code (`backends.torchdist.program.gradsync.GradientSync`: flatten, all-reduce, copy back) over a one-process
     gloo group, so without any transfer; then AdamW step and zero_grad(set_to_none=False). Timed on
     `work_clock`."""
-    from backends.torchdist.gradsync import GradientSync
+    from backends.torchdist.program.gradsync import GradientSync
     from planner.core.ir import GradGroup
 
     shapes = ((2, 256), (16, 256), (32, 1024), (4, 65536)) if quick else \
@@ -320,6 +325,6 @@ def measure_comm(rank: int, world: int, quick: bool, repeats: int) -> dict[str, 
             buf = torch.zeros(max(nbytes // 4, 1))
             dist.barrier()
             result["allreduce_world"].append({"bytes": float(buf.numel() * 4), "processes": float(world),
-                                              "time_s": median_time_s(lambda b=buf: dist.all_reduce(b),
+                                              "time_s": median_time_s(functools.partial(dist.all_reduce, buf),
                                                                       repeats, torch.device("cpu"))})
     return result

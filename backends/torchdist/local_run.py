@@ -1,0 +1,219 @@
+"""`plan run`'s engine: the emitted program on this machine under torchrun, reachable from this machine
+only, stopped whole by a signal, and one line when a rank dies.
+
+- Nothing listens beyond 127.0.0.1. A torch TCPStore server listens on every interface unless it is
+  handed a socket already bound, so this process binds one to 127.0.0.1, serves the store on it
+  (LoopbackStore) and torchrun joins it as a client (c10d rendezvous, `is_host=false`); the workers'
+  process group forms over the same store (HETPLAN_STORE, see program/process_group.py) instead of a
+  second server of torchrun's (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), and gloo binds to loopback
+  (GLOO_SOCKET_IFNAME=lo).
+- Nothing outlives the run. torchrun runs in a session of its own under a lifeline (program/lifeline.py):
+  killed when this process exits, however it exits; each worker dies with torchrun in turn. SIGTERM or
+  SIGINT here is passed on to torchrun as SIGTERM, which stops its workers; after GRACE_S it is killed.
+- Deaths are one line. Every rank's output goes to `<run>/logs/` (torchrun --log-dir, --redirects,
+  --tee; the agent's own log to launcher.log); a failed run is summed up by torchrun's first observed
+  failure: the rank, its device, how it ended, its last completed step (from metrics.jsonl) and the
+  last line it wrote.
+- Nothing is lost. An earlier `<out>/run` moves to `<out>/runs/<n>` first (keep_previous_run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import torch.distributed as dist
+
+from planner.core.ir import Plan
+
+from .program.metrics import METRICS_FILE, read_metrics
+from .program.placement import printable
+from .program.process_group import STORE_ENV
+
+GRACE_S = 5.0                 # after a forwarded signal, torchrun's time to stop its workers
+POLL_S = 0.2
+LOG_DIR = "logs"
+LAUNCHER_LOG = "launcher.log"
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:(?P<body>.*?)(?:\n=|\Z)", re.S)
+HETPLAN_ROOT = Path(__file__).resolve().parents[2]   # the folder holding planner/, backends/, ...
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a run ended: the exit code for `plan run`, and its one line (None after a clean run)."""
+
+    returncode: int
+    message: str | None
+
+
+def keep_previous_run(run_dir: Path) -> Path | None:
+    """Move an earlier run folder aside to `<parent>/runs/<n>` (n = 1, 2, ...); returns where it went."""
+    if not run_dir.exists():
+        return None
+    runs = run_dir.parent / "runs"
+    runs.mkdir(exist_ok=True)
+    taken = [int(p.name) for p in runs.iterdir() if p.name.isdigit()]
+    target = runs / str(max(taken, default=0) + 1)
+    run_dir.rename(target)
+    return target
+
+
+class LoopbackStore:
+    """A c10d TCPStore served on 127.0.0.1 only (on a socket bound here, so on a free port)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(256)
+        self.port = int(listening.getsockname()[1])
+        # the store owns the descriptor from here on (and closes it with the server)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            "127.0.0.1", self.port, is_master=True, wait_for_workers=False, multi_tenant=True,
+            timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listening.detach())
+
+    def close(self) -> None:
+        self._store = None
+
+
+def torchrun_command(program_dir: Path, world_size: int, store_port: int, run_id: str, log_dir: Path,
+                     train_args: list[str]) -> list[str]:
+    """torchrun on one machine over the loopback store, under a lifeline to this process."""
+    return [sys.executable, "-m", "backends.torchdist.program.lifeline", str(os.getpid()),
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}", "--rdzv-id", run_id,
+            "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+            "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
+            str(program_dir / "train.py"), *train_args]
+
+
+def run_environment(store_port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment torchrun and the workers run in (loopback, one thread each, hetplan importable)."""
+    env = dict(os.environ if base is None else base)
+    env[STORE_ENV] = f"127.0.0.1:{store_port}"
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"   # no second store server of torchrun's own
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HETPLAN_ROOT), path) if p)
+    return env
+
+
+def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[str], *,
+                timeout_s: float) -> RunOutcome:
+    """Run the program of `plan` for `train_args` with its output in `run_dir` (which must not exist)."""
+    log_dir = run_dir / LOG_DIR
+    log_dir.mkdir(parents=True)
+    run_id = f"hetplan-{uuid.uuid4().hex[:12]}"
+    store = LoopbackStore(timeout_s)
+    received: list[int] = []
+    try:
+        with open(log_dir / LAUNCHER_LOG, "wb") as launcher_log:
+            proc = subprocess.Popen(
+                torchrun_command(program_dir, plan.world_size, store.port, run_id, log_dir,
+                                 [*train_args, "--out", str(run_dir), "--timeout", str(timeout_s)]),
+                stdout=None, stderr=launcher_log, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=run_environment(store.port))
+            returncode = _wait(proc, received)
+    finally:
+        store.close()
+    if received:
+        name = signal.Signals(received[0]).name
+        return RunOutcome(128 + received[0], f"plan run: stopped by {name}: torchrun and its workers were "
+                                             f"stopped (logs: {log_dir})")
+    if returncode == 0:
+        return RunOutcome(0, None)
+    return RunOutcome(1, failure_line(plan, run_dir, returncode))
+
+
+class _Forwarder:
+    """Passes SIGTERM / SIGINT on to torchrun's process group while installed; a second signal kills it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.received: list[int] = []
+        self.first_at_s = 0.0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received:
+            self.first_at_s = time.monotonic()
+        self.received.append(signum)
+        self.kill(signal.SIGTERM if len(self.received) == 1 else signal.SIGKILL)
+
+    def kill(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait(proc: subprocess.Popen, received: list[int]) -> int:
+    """Wait for torchrun, passing SIGTERM / SIGINT on; kill it GRACE_S after the first one. The signals
+    received are appended to `received`."""
+    forwarder = _Forwarder(proc.pid)
+    previous = {s: signal.signal(s, forwarder) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            if forwarder.received and time.monotonic() - forwarder.first_at_s > GRACE_S:
+                forwarder.kill(signal.SIGKILL)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        received.extend(forwarder.received)
+
+
+def failure_line(plan: Plan, run_dir: Path, returncode: int) -> str:
+    """One line for a failed run: the rank torchrun saw fail first, or torchrun's own end."""
+    log_dir = run_dir / LOG_DIR
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return (f"plan run: the torchrun agent was killed by {name}; its workers stopped with it "
+                f"(logs: {log_dir})")
+    launcher = (log_dir / LAUNCHER_LOG).read_text(errors="replace") if (log_dir / LAUNCHER_LOG).exists() else ""
+    found = ROOT_CAUSE.search(launcher)
+    rank_match = re.search(r"rank\s*:\s*(\d+)", found.group("body")) if found else None
+    code_match = re.search(r"exitcode\s*:\s*(-?\d+)", found.group("body")) if found else None
+    if not rank_match or not code_match or int(rank_match.group(1)) >= plan.world_size:
+        return f"plan run: torchrun exited with code {returncode} (logs: {log_dir}/{LAUNCHER_LOG})"
+    rank, code = int(rank_match.group(1)), int(code_match.group(1))
+    replica, stage = plan.stage_of_rank(rank)
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    steps = [m["step"] for m in _metrics(run_dir) if m.get("rank") == rank]
+    when = f"after step {max(steps)}" if steps else "before its first step"
+    stderr_log = _rank_log(log_dir, rank)
+    said = _last_line(stderr_log) if stderr_log else ""
+    return (f"plan run: rank {rank} (replica {replica.index} stage {stage.index} on "
+            f"{printable(stage.device_label)}, {printable(stage.device_type)}) {how} {when}"
+            f"{': ' + said if said and code > 0 else ''}; the other ranks were stopped "
+            f"(logs: {stderr_log or log_dir})")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / METRICS_FILE
+    return read_metrics(path) if path.exists() else []
+
+
+def _rank_log(log_dir: Path, rank: int) -> Path | None:
+    """torchrun's stderr log of `rank` (on one machine its local rank): <log_dir>/<run>/attempt_<k>/<rank>/."""
+    found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
+    return found[-1] if found else None
+
+
+def _last_line(path: Path, most_chars: int = 300) -> str:
+    """The last line a rank wrote to its log, without torchrun's `[rankN]:` prefix."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in path.read_text(errors="replace").splitlines()]
+    lines = [ln for ln in lines if ln]
+    return printable(lines[-1][:most_chars]) if lines else ""

@@ -1,0 +1,28 @@
+"""The emitted training program: one technique per unit, composed by `train.py`.
+
+`plan` copies this package verbatim into `out/program/`, beside `plan.json`, a copy of the model file
+and `launch.sh` (backends.torchdist.emit). Everything that differs between plans is read from
+`plan.json` at run time; nothing of a spec, a model or a plan is ever written into this code.
+
+    train.py        the entry: its arguments, then the units below in the order a step uses them
+    lifeline        die with the launcher (PR_SET_PDEATHSIG): no worker outlives its torchrun agent
+    placement       which plan rank this process is (node rank, local rank -> plan rank), checked
+                    against the plan: process counts per node, the GPU's type
+    process_group   join the process group with that rank; the gradient groups; who is who (Context)
+    layout          the rank -> replica / stage / device table the program prints at start-up
+    rows            the rows of the global batch a replica trains on, cut into its micro-batches
+    stages          the model built like one process, traced and split like the plan per micro-batch size
+    p2p             point-to-point sends and receives between stages, with their message tags
+    activations     activation compression on pipeline links (the wire format of each value)
+    pipeline        the schedule executor: a stage's 1F1B / GPipe actions, forward and backward
+    slowdown        emulated slow devices: each compute step padded to the spec's `slowdown`
+    precision       autocast per stage and plan-wide fp16 loss scaling
+    gradsync        gradient groups: an exact or compressed all-reduce per group
+    optimizers      AdamW, SGD, 1-bit Adam, and one step's gradient sync around loss scaling
+    metrics         one JSON line per step and rank, written whole; `read_metrics` to read them back
+
+Units import each other relatively (`from . import p2p`) and hetplan's library absolutely
+(`backends.compression`, `backends.kernels`, `passes.split`, `planner.frontend`, `planner.core`), so
+the copy runs wherever hetplan is installed, as `python -m program.train` from the plan directory or
+as `torchrun ... program/train.py`. This file imports nothing: `lifeline` must run before torch loads.
+"""

@@ -1,0 +1,95 @@
+"""Per-step metrics: one JSON line per step and rank, appended to `<out>/metrics.jsonl`.
+
+Every rank appends to the same file, so each line is one `os.write` of the whole line on a descriptor
+opened with O_APPEND: lines of different ranks never interleave. A full disk must not leave a torn line
+behind: a short write is truncated away again (when no other rank appended after it) and the run stops
+with one line saying so. `read_metrics` skips what a torn write can still leave: an incomplete last
+line, or a line that is not a JSON record.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.core.errors import HetplanError
+
+from .process_group import Context
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsWriteError(HetplanError):
+    """A metrics line could not be written whole (full disk, file size limit, I/O error)."""
+
+    exit_code = 1
+
+
+def append_line(fd: int, line: bytes, path: str) -> None:
+    """Append `line` (ending in a newline) to `fd` (O_APPEND) in one write; on a short write remove the
+    partial line again and raise MetricsWriteError, as on any write error."""
+    try:
+        written = os.write(fd, line)
+    except OSError as exc:
+        raise MetricsWriteError(f"writing a metrics line failed: {os.strerror(exc.errno or errno.EIO)}",
+                                file=path, fix="free disk space or pass --out a folder with room") from exc
+    if written == len(line):
+        return
+    end = os.lseek(fd, 0, os.SEEK_CUR)          # O_APPEND: just after the bytes this write added
+    removed = os.fstat(fd).st_size == end       # another rank appended since: leave its line alone
+    if removed:
+        os.ftruncate(fd, end - written)
+    raise MetricsWriteError(f"the disk took {written} of the {len(line)} bytes of a metrics line "
+                            f"({'removed again' if removed else 'left torn'})", file=path,
+                            fix="free disk space or pass --out a folder with room")
+
+
+class MetricsLog:
+    """This rank's metrics lines: rank, replica, stage and device, then the step's fields."""
+
+    def __init__(self, out_dir: Path, ctx: Context) -> None:
+        self.path = out_dir / METRICS_FILE
+        self.ctx = ctx
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise MetricsWriteError(f"cannot open the metrics file: {exc.strerror}", file=str(self.path),
+                                    fix="pass --out a folder this user may write") from exc
+
+    def log(self, **fields: Any) -> None:
+        record = {"rank": self.ctx.rank, "replica": self.ctx.replica.index, "stage": self.ctx.stage.index,
+                  "device": self.ctx.stage.device_label, **fields}
+        append_line(self._fd, (json.dumps(record) + "\n").encode(), str(self.path))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, skipping an incomplete last line and any line that is not a JSON
+    record (what a torn write leaves)."""
+    data = Path(path).read_bytes()
+    lines = data.split(b"\n")[:-1]              # after the last newline: nothing, or an incomplete line
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The CUDA allocator's peak on a GPU, the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -1,0 +1,92 @@
+"""The program's optimizers, and one step's gradient sync and update around fp16 loss scaling.
+
+AdamW with torch's defaults but the learning rate, or SGD with momentum 0.9: what the single-process
+reference (backends.torchdist.reference) builds. Under AdamW the parameters of `onebit` gradient groups
+train with 1-bit Adam (backends.compression.onebit_adam) instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from backends.compression import OneBitAdamW, freeze_step
+from planner.core.errors import PlanFileError
+from planner.core.ir import Plan
+
+from . import precision
+from .gradsync import GradientSync
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The program's optimizers: AdamW (torch defaults but the learning rate), or SGD, momentum 0.9."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def onebit_freeze_step(plan: Plan, total_steps: int) -> int:
+    """1-bit Adam's exact AdamW steps in a run of `total_steps`: the warm-up fraction the plan records
+    for its `onebit` groups (1 where the plan has none: no group then freezes anything)."""
+    fractions = {g.settings.warmup_fraction for g in plan.grad_groups if g.compressor == "onebit" and g.settings}
+    if len(fractions) > 1:
+        raise PlanFileError(f"1-bit groups with different warm-up fractions {sorted(fractions)}",
+                            field="grad_groups.settings.warmup_fraction", fix="re-plan: one fraction per plan")
+    return freeze_step(total_steps, fractions.pop()) if fractions else 1
+
+
+def make_stage_optimizer(name: str, params: list[nn.Parameter], grad_sync: GradientSync, lr: float, *,
+                         onebit_freeze_step: int) -> torch.optim.Optimizer:
+    """One rank's optimizer over `params`; call once per GradientSync.
+
+    `make_optimizer(name, params, lr)`, except that under AdamW the parameters of `grad_sync`'s
+    `onebit` groups train with 1-bit Adam (OneBitAdamW: exact AdamW for `onebit_freeze_step` steps,
+    then frozen variance and 1-bit compressed momentum in place of the group's gradient sync; see
+    backends.compression.onebit_adam). 1-bit compression on the gradients themselves only suits SGD.
+    One optimizer for all of the rank's parameters, so that fp16 loss scaling unscales them and skips
+    the step together.
+    """
+    if grad_sync.exchanges:
+        raise RuntimeError("make_stage_optimizer: the 1-bit groups' compressors already belong to an optimizer")
+    if name != "adamw":
+        return make_optimizer(name, params, lr)
+    handed = grad_sync.momentum_exchanges()     # the exchanges stay listed in grad_sync.exchanges
+    if not handed:
+        return make_optimizer(name, params, lr)
+    in_groups = {id(p) for group_params, _ in handed for p in group_params}
+    rest = [p for p in params if id(p) not in in_groups]
+    groups = [{"params": group_params} for group_params, _ in handed] + ([{"params": rest}] if rest else [])
+    return OneBitAdamW(groups, exchanges=[exchange for _, exchange in handed], lr=lr,
+                       freeze_step=onebit_freeze_step)
+
+
+def sync_step_gradients(grad_sync: GradientSync, params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None,
+                        scaler: precision.LossScaler | None) -> bool:
+    """Sum each gradient group's gradients over its ranks (replicas, and stages sharing a weight), with
+    the group's compressor; returns whether the step is skipped.
+
+    Groups whose momentum the optimizer exchanges in its coming step (1-bit Adam after warm-up) keep
+    their local gradients. Under fp16 loss scaling (`scaler`; needs `optimizer`) gradients are unscaled
+    first, and on an overflow anywhere no rank syncs: the step is skipped everywhere (True).
+    """
+    if grad_sync.exchanges and not isinstance(optimizer, OneBitAdamW):
+        raise ValueError("1-bit Adam groups sync through their optimizer (make_stage_optimizer); pass it")
+    if scaler is not None:
+        if optimizer is None:
+            raise ValueError("fp16 loss scaling needs the optimizer to unscale gradients")
+        for p in params:                    # every rank takes part in the inf check
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if scaler.unscale_(optimizer):
+            return True
+    skip = {e.key for e in optimizer.exchanging()} if isinstance(optimizer, OneBitAdamW) else set()
+    grad_sync.sync(skip=skip)
+    return False
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: precision.LossScaler | None) -> None:
+    """The optimizer step (through the loss scaler, which skips it after an overflow)."""
+    if scaler is not None:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()

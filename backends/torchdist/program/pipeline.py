@@ -1,0 +1,159 @@
+"""The schedule executor: this rank's stage runs the actions of its replica's schedule (1F1B or GPipe,
+planner.core.schedule), forward and backward per micro-batch, with explicit sends and receives.
+
+torch.distributed.pipelining is not used because a plan here has replicas with different batch shares
+and micro-batch sizes (so different shapes per replica) and skip connections that jump over stages;
+both need per-value routing that PipelineStage does not offer. Every value crossing a boundary is sent
+from its producer to each consumer stage, and its gradient comes back the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from passes.split import StageSplit
+from planner import frontend
+from planner.core import schedule as sched
+from planner.core.ir import Plan
+
+from . import precision
+from .activations import NO_CODEC, Codec
+from .p2p import P2P, tag
+from .process_group import Context
+from .rows import MicroBatch, micro_batches
+from .slowdown import Slowdown
+from .stages import StageGraphs
+
+
+def edge_codecs(plan: Plan, replica: int) -> dict[tuple[int, int], Codec]:
+    """(producer stage, consumer stage) -> activation codec, for every pair of a replica.
+
+    The plan names the compressor (and its settings) of each adjacent edge; a value skipping stages
+    travels with the codec of the edge leaving its producer. Sender and receiver look up the same pair.
+    """
+    edges = {(e.src_stage, e.dst_stage): Codec.of(e) for e in plan.p2p if e.replica == replica}
+    stages = len(plan.replicas[replica].stages)
+    return {(a, b): edges.get((a, b), edges.get((a, a + 1), NO_CODEC))
+            for a in range(stages) for b in range(a + 1, stages)}
+
+
+class StageExecutor:
+    """This rank's stage: its parameters, its graphs (one per micro-batch size) and its schedule.
+
+    `cpu_autocast`: apply the plan's bf16/fp16 precision on CPU ranks too (see precision.py).
+    """
+
+    def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, model: nn.Module, *,
+                 cpu_autocast: bool = False) -> None:
+        self.plan, self.ctx, self.model_file = plan, ctx, model_file
+        self.model = model.to(ctx.device)
+        self.graphs = StageGraphs(self.model, model_file, [s.last_node for s in ctx.replica.stages])
+        self.params = {name: self.model.get_parameter(name) for name in ctx.stage.params}
+        self.p2p = P2P()
+        self.slowdown = Slowdown(ctx.stage.slowdown, ctx.device, self.p2p)
+        self.compute_dtype = precision.stage_compute_dtype(ctx.stage, cpu_autocast)
+        self.scaler = (precision.LossScaler(ctx.device)
+                       if precision.needs_loss_scaling(plan, cpu_autocast) else None)
+        self.edges = edge_codecs(plan, ctx.replica.index)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.params.values())
+
+    def train_step(self, step: int) -> float:
+        """Forward and backward of this rank's stage for every micro-batch of step `step`; returns the
+        loss contribution of this rank (last stages: share-weighted mean over their rows)."""
+        ctx = self.ctx
+        micro = micro_batches(self.model_file, self.plan, ctx.replica.index, step, ctx.device)
+        actions = sched.make(ctx.replica.schedule, ctx.num_stages, len(micro))[ctx.stage.index]
+        saved: dict[int, dict[str, Any]] = {}
+        loss_sum = 0.0
+        for action in actions:
+            with self.slowdown.padded():
+                if action.kind == "F":
+                    loss_sum += self._forward(action.micro, micro[action.micro], saved)
+                else:
+                    self._backward(action.micro, saved)
+        self.p2p.wait_sends()
+        return loss_sum
+
+    def _forward(self, j: int, mb: MicroBatch, saved: dict[int, dict[str, Any]]) -> float:
+        ctx = self.ctx
+        split = self.graphs.split_for(mb.inputs)
+        stage = split.stages[ctx.stage.index]
+        local = dict(zip(split.model_inputs, mb.inputs))
+        value_index = {name: i for i, name in enumerate(sorted(split.values))}
+        args, received = [], []
+        for name in stage.inputs:
+            info = split.values[name]
+            if info.producer == -1:
+                args.append(local[name])
+                continue
+            t = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(info.producer),
+                              tag(j, value_index[name], False, len(value_index)), ctx.device,
+                              codec=self.edges[info.producer, ctx.stage.index])
+            if info.needs_grad:
+                t.requires_grad_(True)
+            args.append(t)
+            received.append((name, t))
+        with precision.autocast(self.compute_dtype, ctx.device):
+            if ctx.stage.recompute:   # keep only the stage inputs; rerun the forward during backward
+                outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
+            else:
+                outs = stage.module(*args)
+            if ctx.is_last:
+                output = outs[0] if split.output_structure == "tensor" else outs
+                loss = self.model_file.loss_fn(output, mb.target) * (mb.rows / self.plan.global_batch)
+        record: dict[str, Any] = {"received": received, "sent": [], "split": split}
+        contribution = 0.0
+        if ctx.is_last:
+            record["loss"] = self.scaler.scale_loss(loss) if self.scaler else loss
+            contribution = float(loss.detach())
+        else:
+            for name, t in zip(stage.outputs, outs):
+                info = split.values[name]
+                for consumer in info.consumers:
+                    if consumer < ctx.num_stages:
+                        self.p2p.send(t, ctx.rank_of_stage(consumer),
+                                      tag(j, value_index[name], False, len(value_index)),
+                                      dtype=info.dtype, codec=self.edges[ctx.stage.index, consumer])
+                record["sent"].append((name, t))
+        saved[j] = record
+        return contribution
+
+    def _backward(self, j: int, saved: dict[int, dict[str, Any]]) -> None:
+        ctx = self.ctx
+        record = saved.pop(j)
+        split: StageSplit = record["split"]
+        value_index = {name: i for i, name in enumerate(sorted(split.values))}
+        if ctx.is_last:
+            record["loss"].backward()
+        else:
+            tensors, grads = [], []
+            for name, t in record["sent"]:
+                info = split.values[name]
+                if not info.needs_grad:
+                    continue
+                total = None
+                for consumer in info.consumers:
+                    if consumer >= ctx.num_stages:
+                        continue
+                    g = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(consumer),
+                                      tag(j, value_index[name], True, len(value_index)), ctx.device,
+                                      codec=self.edges[ctx.stage.index, consumer])
+                    total = g if total is None else total + g
+                if total is not None and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(total.to(t.dtype))   # t may be half under autocast
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        for name, t in record["received"]:
+            if not split.values[name].needs_grad:   # context (masks, positions): no gradient flows
+                continue
+            grad = t.grad if t.grad is not None else torch.zeros_like(t)
+            producer = split.values[name].producer
+            self.p2p.send(grad, ctx.rank_of_stage(producer), tag(j, value_index[name], True, len(value_index)),
+                          dtype=split.values[name].dtype, codec=self.edges[producer, ctx.stage.index])

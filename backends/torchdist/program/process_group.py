@@ -1,0 +1,101 @@
+"""Join the process group as this process's plan rank, and create the plan's gradient groups.
+
+The rank passed to `init_process_group` is the plan's (placement.resolve), whatever torchrun numbered the
+process: over torchrun's store any permutation of ranks forms the same group. Where the store lives:
+
+  HETPLAN_STORE=host:port   `plan run`'s own store, bound to 127.0.0.1 only (a torch TCPStore server
+                            listens on every interface unless handed a bound socket); used as a client
+  MASTER_ADDR / MASTER_PORT torchrun's store (env://), as launch.sh starts it on a cluster
+  neither, one process      an in-process store: `python -m program.train` of a one-device plan
+
+The timeout (train.py --timeout) bounds every collective and receive, so a hung or dead peer ends the
+run within it instead of torch's default 30 minutes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from planner.core.ir import Plan, ReplicaPlan, StagePlan
+
+from .placement import LaunchError, Placement, uses_cuda
+
+STORE_ENV = "HETPLAN_STORE"
+
+
+@dataclass
+class Context:
+    """Who this process is in the plan."""
+
+    rank: int
+    world_size: int
+    replica: ReplicaPlan
+    stage: StagePlan
+    device: torch.device
+    grad_groups: dict[int, dist.ProcessGroup | None]   # plan group index -> process group (members only)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replica.stages)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.index == self.num_stages - 1
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.replica.stages[stage].rank
+
+
+def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store to rendezvous over, or None for torchrun's (env://)."""
+    address = os.environ.get(STORE_ENV, "")
+    if address:
+        host, _, port = address.rpartition(":")
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"hetplan/{run}/{attempt}/", client)
+    if "MASTER_ADDR" not in os.environ:
+        if world != 1:
+            raise LaunchError(f"the plan runs {world} processes and this one was not started by torchrun",
+                              file="train.py", fix="start it with ./launch.sh or `plan run PLAN_DIR`")
+        return dist.HashStore()
+    return None
+
+
+def init(plan: Plan, placement: Placement, timeout_s: float) -> Context:
+    """Join the default group as `placement.rank` and create every gradient group (each rank creates
+    all of them, in plan order); raises LaunchError when the group does not form within the timeout."""
+    replica, stage = plan.stage_of_rank(placement.rank)
+    use_cuda = uses_cuda(stage)
+    if use_cuda:
+        device = torch.device("cuda", placement.device_index)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        store = _store(placement.rank, plan.world_size, timeout)
+        try:
+            dist.init_process_group("nccl" if use_cuda else "gloo", rank=placement.rank,
+                                    world_size=plan.world_size, timeout=timeout, store=store)
+        except (dist.DistError, RuntimeError) as exc:
+            raise LaunchError(f"rank {placement.rank}: the process group did not form within {timeout_s:g} s "
+                              f"({type(exc).__name__})", file="train.py",
+                              fix="start every node of the plan (`NODE_RANK=k ./launch.sh` on node k), or "
+                                  "raise --timeout") from exc
+    groups: dict[int, dist.ProcessGroup | None] = {}
+    for g in plan.grad_groups:
+        pg = dist.new_group(list(g.ranks), timeout=timeout)
+        if placement.rank in g.ranks:
+            groups[g.index] = pg
+    return Context(placement.rank, plan.world_size, replica, stage, device, groups)

@@ -1,0 +1,149 @@
+"""Training program emitted by hetplan: one process of a planned run, reading its plan from plan.json.
+
+Run it on one machine with `plan run PLAN_DIR` (or ./launch.sh without NODE_RANK); on a cluster, on each
+node k the plan uses, `NODE_RANK=k MASTER_ADDR=<node rank 0's address> ./launch.sh` (launch.sh lists
+which node is which and starts there as many processes as the plan runs on it). From the plan
+directory, `python -m program.train` runs a one-device plan without torchrun. Rank 0 prints the layout.
+
+The training contract (the same as backends/torchdist/reference.py on one process):
+- initial weights equal `torch.manual_seed(seed); model()` on one process;
+- step k trains on the rows of `batch(global_batch, k)`, split across replicas in plan order by their
+  shares, each share cut into the replica's micro-batches;
+- each last stage weights its micro-batch losses by rows / global batch, and gradients are summed per
+  gradient group (replicas, and stages that share a weight), so the update equals single-process
+  training on the global batch; groups sync with the plan's compressor (`none`: exact); under AdamW a
+  `onebit` group trains with 1-bit Adam (exact AdamW for --onebit-freeze-step steps, by default the
+  plan's warm-up fraction of the run, then frozen variance and 1-bit compressed momentum in place
+  of its gradients);
+- pipeline edges send activations with the plan's activation compressor;
+- stages compute in the plan's precision on CUDA (bf16 / fp16 autocast, fp16 with loss scaling shared
+  by all ranks); CPU ranks stay fp32 unless --cpu-autocast;
+- each step appends one JSON line per rank to <out>/metrics.jsonl; --save-final writes each rank's
+  parameters to <out>/final/rank<r>.pt.
+"""
+
+# ruff: noqa: E402  (the imports follow the package set-up and the lifeline, which must come first)
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:   # run as a file (torchrun .../train.py): import the units as a package (PEP 366)
+    _folder = Path(__file__).resolve().parent
+    if sys.path and Path(sys.path[0]).resolve() == _folder:
+        sys.path[0] = str(_folder.parent)     # not the folder itself: its units would shadow stdlib names
+    else:
+        sys.path.insert(0, str(_folder.parent))
+    __package__ = _folder.name
+    __import__(__package__)
+
+from . import lifeline
+
+lifeline.guard_worker()                       # before torch loads: no worker outlives its agent
+
+import argparse
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from planner import frontend
+from planner.core.errors import HetplanError
+from planner.core.ir import Plan
+
+from . import gradsync, layout, metrics, optimizers, pipeline, placement, process_group, stages
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def parse_args(plan: Plan, here: Path, argv: list[str] | None) -> argparse.Namespace:
+    defaults = plan.program
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=defaults.learning_rate if defaults else 1e-3,
+                   help="learning rate (torch defaults otherwise; default: the one planned for)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer if defaults else "adamw",
+                   help="AdamW or SGD with momentum 0.9 (default: the one planned for)")
+    p.add_argument("--onebit-freeze-step", type=int, default=None,
+                   help="1-bit Adam (onebit groups under AdamW): exact AdamW steps before the variance "
+                        "freezes (default: the plan's warm-up fraction of --steps)")
+    p.add_argument("--out", type=Path, default=here.parent / "run", help="metrics and final weights")
+    p.add_argument("--save-final", action="store_true", help="write each rank's final parameters")
+    p.add_argument("--cpu-autocast", action="store_true",
+                   help="apply the plan's bf16/fp16 precision on CPU ranks too (default: fp32 on CPU)")
+    p.add_argument("--timeout", type=float, default=float(os.environ.get("HETPLAN_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
+                   help="seconds a collective or receive may wait for a peer before the run fails")
+    p.add_argument("--no-device-check", action="store_true",
+                   help="run on GPUs of another type than planned (the plan's times and memory do not hold)")
+    return p.parse_args(argv)
+
+
+def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    ctx = process_group.init(plan, place, args.timeout)     # rank -> (replica, stage, device)
+    if ctx.rank == 0:
+        print(layout.table(plan), flush=True)
+    functions = dict(plan.program.functions) if plan.program else {}
+    model_file = frontend.load_model_file(here / "model.py", functions)
+    model = stages.build_model(model_file, args.seed)       # same values as one process
+    executor = pipeline.StageExecutor(plan, ctx, model_file, model, cpu_autocast=args.cpu_autocast)
+    grad_sync = gradsync.GradientSync(list(plan.grad_groups), ctx.grad_groups, executor.params)
+    freeze_step = (optimizers.onebit_freeze_step(plan, args.steps) if args.onebit_freeze_step is None
+                   else args.onebit_freeze_step)
+    optimizer = optimizers.make_stage_optimizer(args.optimizer, executor.parameters(), grad_sync, args.lr,
+                                                onebit_freeze_step=freeze_step)
+    log = metrics.MetricsLog(args.out, ctx)
+    for step in range(args.steps):
+        start = time.perf_counter()
+        executor.p2p.reset_counters()
+        grad_sync.reset_counters()
+        contribution = executor.train_step(step)            # schedule: forward/backward + p2p
+        skipped = optimizers.sync_step_gradients(           # per gradient group, its compressor
+            grad_sync, executor.parameters(), optimizer, executor.scaler)
+        optimizers.optimizer_step(optimizer, executor.scaler)   # (skipped everywhere on fp16 overflow;
+        optimizer.zero_grad(set_to_none=False)                  #  1-bit Adam exchanges momentum here)
+        step_time_s = time.perf_counter() - start
+        loss = torch.tensor([contribution], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(loss)                               # mean over the global batch
+        by_group = grad_sync.step_wire_bytes_by_group()
+        log.log(step=step, loss=float(loss), step_time_s=step_time_s,
+                peak_memory_bytes=metrics.peak_memory_bytes(ctx.device),
+                p2p_bytes=executor.p2p.bytes_sent, grad_bytes=grad_sync.step_grad_bytes(),
+                grad_wire_bytes=sum(by_group.values()), grad_wire_bytes_by_group=by_group,
+                compute_dtype=str(executor.compute_dtype).removeprefix("torch."),
+                loss_scale=executor.scaler.scale if executor.scaler else None, skipped_step=skipped)
+    log.close()
+    if args.save_final:
+        stages.save_parameters(executor.params, args.out / "final" / f"rank{ctx.rank}.pt")
+    dist.barrier()
+    del executor, optimizer, grad_sync
+    gc.collect()                                            # release gloo work before teardown
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    here = Path(__file__).resolve().parent
+    try:
+        plan = Plan.load(here / "plan.json")
+        args = parse_args(plan, here, argv)
+        place = placement.resolve(plan)
+        if not args.no_device_check:
+            placement.check_gpu(plan, place)
+        train(plan, place, here, args)
+    except HetplanError as exc:
+        # a wrong launch is seen alike by every process of an agent: its first one says so, once
+        if not isinstance(exc, placement.LaunchError) or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"train.py: {exc.one_line()}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except dist.DistError as exc:   # a peer died or hung: the launcher names it; this rank says what it saw
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"train.py: rank {place.rank}: {type(exc).__name__}: {first[:300]}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

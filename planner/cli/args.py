@@ -1,0 +1,34 @@
+"""Argument parsing for every command: a bad argument is one line and exit 2, like any other bad input."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import NoReturn
+
+from planner.core.errors import OptionError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are OptionError (one line naming the argument, exit 2 through
+    planner.cli.main), not argparse's usage block and SystemExit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise OptionError(message, fix=f"see `{self.prog} --help`")
+
+
+def positive_number(what: str) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 (not nan, not inf), for `what`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text[:40]!r}")
+        return value
+
+    parse.__name__ = what   # argparse names the type in some messages
+    return parse

@@ -1,0 +1,114 @@
+"""`-o` never destroys the user's files: the current directory, a directory above it or holding an
+input, a file, or a non-empty directory hetplan did not write is refused with one line (only the last
+with `--force` allowed), and every file is still there afterwards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from planner.cli.output_dir import MARKER
+from tests.hostile import CPU4, MLP, assert_one_line, files_under, run_cli
+
+FAST = ["--global-batch", "8", "--no-runners-up"]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch) -> Path:
+    """A user's project folder, the working directory: their notes, the model file, the spec."""
+    folder = tmp_path / "project"
+    (folder / "models").mkdir(parents=True)
+    shutil.copyfile(MLP, folder / "models" / "model.py")
+    shutil.copyfile(CPU4, folder / "spec.yaml")
+    (folder / "notes.txt").write_text("three weeks of notes\n")
+    (folder / "data").mkdir()
+    (folder / "data" / "rows.csv").write_text("1,2,3\n")
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def plan_to(capfd, out: str | Path, *extra: str) -> tuple[int, str]:
+    code, _, err = run_cli(capfd, ["models/model.py", "--cluster", "spec.yaml", "-o", out, *FAST, *extra])
+    return code, err
+
+
+@pytest.mark.parametrize(("out", "words"), [
+    (".", ["the current directory"]),
+    ("./", ["the current directory"]),
+    ("..", ["a directory above the current one"]),
+    ("/", ["a directory above the current one"]),
+    ("notes.txt", ["is a file"]),
+    ("models/model.py", ["is a file"]),
+    ("models", ["holds the input models/model.py"]),
+    ("data", ["did not write", MARKER, "--force"]),
+])
+def test_refused_and_nothing_is_touched(capfd, workdir: Path, out: str, words: list[str]) -> None:
+    before = files_under(workdir.parent)
+    code, err = plan_to(capfd, out)
+    assert_one_line(code, err, 2, f"-o {Path(out)}", *words)
+    assert files_under(workdir.parent) == before            # every file still there, unchanged
+    assert not [p for p in workdir.rglob(".*") if p.name.startswith((".notes", ".data", ".models", ".project"))]
+
+
+@pytest.mark.parametrize("out", [".", "..", "notes.txt", "models"])
+def test_force_does_not_override_the_first_rules(capfd, workdir: Path, out: str) -> None:
+    before = files_under(workdir.parent)
+    code, err = plan_to(capfd, out, "--force")
+    assert_one_line(code, err, 2, f"-o {out}")
+    assert files_under(workdir.parent) == before
+
+
+def test_the_spec_folder_is_an_input_too(capfd, workdir: Path) -> None:
+    (workdir / "clusters").mkdir()
+    shutil.move(workdir / "spec.yaml", workdir / "clusters" / "spec.yaml")
+    code, _, err = run_cli(capfd, ["models/model.py", "--cluster", "clusters/spec.yaml", "-o", "clusters", *FAST])
+    assert_one_line(code, err, 2, "holds the input clusters/spec.yaml")
+    assert (workdir / "clusters" / "spec.yaml").is_file()
+
+
+def test_new_empty_and_previous_outputs_are_written(capfd, workdir: Path) -> None:
+    assert plan_to(capfd, "out") == (0, "")
+    assert (workdir / "out" / MARKER).is_file() and (workdir / "out" / "plan.json").is_file()
+    assert stat.S_IMODE((workdir / "out").stat().st_mode) == 0o777 & ~_umask()   # not mkdtemp's 0700
+    (workdir / "out" / "stale.txt").write_text("from an earlier plan")
+    assert plan_to(capfd, "out") == (0, "")                  # a previous hetplan output: replaced whole
+    assert not (workdir / "out" / "stale.txt").exists() and (workdir / "out" / MARKER).is_file()
+    (workdir / "empty").mkdir()
+    assert plan_to(capfd, "empty") == (0, "")
+    assert (workdir / "empty" / "plan.json").is_file()
+    assert (workdir / "notes.txt").read_text() == "three weeks of notes\n"
+
+
+def test_replanning_keeps_the_runs_of_the_plan_it_replaces(capfd, workdir: Path) -> None:
+    assert plan_to(capfd, "out") == (0, "")
+    (workdir / "out" / "runs" / "1").mkdir(parents=True)
+    (workdir / "out" / "runs" / "1" / "metrics.jsonl").write_text("first\n")
+    (workdir / "out" / "run" / "logs").mkdir(parents=True)
+    (workdir / "out" / "run" / "metrics.jsonl").write_text("second\n")
+    assert plan_to(capfd, "out") == (0, "")
+    runs = workdir / "out" / "runs"
+    assert (runs / "1" / "metrics.jsonl").read_text() == "first\n"      # earlier runs first, in order
+    assert (runs / "2" / "metrics.jsonl").read_text() == "second\n"     # then the latest one
+    assert (runs / "2" / "logs").is_dir() and not (workdir / "out" / "run").exists()
+
+
+def test_force_replaces_a_foreign_directory(capfd, workdir: Path) -> None:
+    assert plan_to(capfd, "data", "--force") == (0, "")
+    assert (workdir / "data" / "plan.json").is_file() and not (workdir / "data" / "rows.csv").exists()
+    assert (workdir / "models" / "model.py").is_file() and (workdir / "notes.txt").is_file()
+
+
+def test_an_unwritable_place_is_one_line(capfd, workdir: Path) -> None:
+    code, err = plan_to(capfd, "notes.txt/out")
+    assert_one_line(code, err, 2, "notes.txt/out")
+    assert (workdir / "notes.txt").read_text() == "three weeks of notes\n"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
