@@ -1,13 +1,15 @@
 """`plan()`: the whole flow from a model file and a cluster spec to a Plan.
 
-frontend (trace on meta) -> annotate -> blocks -> cost tables -> search -> assemble -> verify.
+frontend (trace on meta) -> annotate -> blocks -> cost tables -> search -> assemble -> verify -> verify the
+communication (passes.comm: every rank's stream proved free of deadlock, recorded in the plan's `comm`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Blocks
+from passes.comm import trace_inputs, verify_comm
 from passes.verify import verify_plan
 from planner import dumps, frontend, runners_up
 from planner.core.blocks import Block
@@ -43,7 +46,7 @@ class PlanResult:
     graph: fx.GraphModule
     blocks: list[Block]
     tables: CostTables
-    timings_s: dict[str, float]        # per phase: load_s, trace_s, cost_s, search_s, runners_up_s, total_s
+    timings_s: dict[str, float]        # per phase: load_s, trace_s, cost_s, search_s, comm_s, runners_up_s, total_s
     model_file: frontend.ModelFile | OnnxModel     # OnnxModel: a cost-only plan of an .onnx graph
     cluster: ClusterSpec
     pass_timings_s: dict[str, float] = field(default_factory=dict)   # per analysis pass, from its manager
@@ -51,12 +54,16 @@ class PlanResult:
 
 @dataclass
 class PhaseTimer:
-    """Wall time per phase of planning, by name (`with timer.phase("trace_s"): ...`)."""
+    """Wall time per phase of planning, by name (`with timer.phase("trace_s"): ...`); `on_start` hears each
+    phase's name as it starts (`runners_up_s` as "runners-up": RunControls.progress)."""
 
     timings_s: dict[str, float] = field(default_factory=dict)
+    on_start: Callable[[str], None] | None = None
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.on_start is not None:
+            self.on_start(name.removesuffix("_s").replace("_", "-"))
         start = time.perf_counter()
         yield
         self.timings_s[name] = time.perf_counter() - start
@@ -105,7 +112,7 @@ def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Bl
 def _baselines(options: PlanOptions, controls: RunControls, tables: CostTables, blocks: list[Block],
                spec: ClusterSpec, inputs: PlanInputs) -> list[tuple[str, Plan]]:
     """Every baseline strategy's plan that fits (for the runners-up), unless one was asked for."""
-    if options.strategy in baselines.SOLVERS:
+    if options.strategy in baselines.SOLVERS or options.strategy in baselines.FIRST_TRIES:
         return []
     out = []
     for name in baselines.SOLVERS:
@@ -124,7 +131,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     options = options or PlanOptions()
     controls = controls or RunControls()
     check_options(options)
-    timer = PhaseTimer()
+    timer = PhaseTimer(on_start=controls.progress)
     start = time.perf_counter()
     with timer.phase("load_s"):
         spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
@@ -159,10 +166,16 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
                                                                 spec=spec, inputs=inputs, options=search_options)
     verify_plan(result, spec)
+    if isinstance(model_file, frontend.ModelFile):   # an .onnx graph is cost-only: no program communicates
+        with timer.phase("comm_s"):
+            result = dataclasses.replace(result, comm=verify_comm(result, trace_inputs(result, model_file, gm,
+                                                                                       trace_batch)))
     if options.runners_up:
         with timer.phase("runners_up_s"):
             others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
-            result = runners_up.with_runners_up(result, others, spec)
+            first = runners_up.first_tries(tables=tables, blocks=blocks, spec=spec, inputs=inputs,
+                                           options=search_options) if options.strategy in ("ilp", "exact") else None
+            result = runners_up.with_runners_up(result, others, spec, first)
     timings = {**timer.timings_s, "total_s": time.perf_counter() - start}
     return PlanResult(result, gm, blocks, tables, timings, model_file, spec, dict(passes.timings_s))
 

@@ -4,6 +4,7 @@ that only shape how planning runs (never recorded: the same plan comes out whate
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,8 @@ class RunControls:
     # the user's code (importing the model file, model(), batch(), loss_fn, tracing) is stopped after this
     # long, as the model file's error (None: never; a time limit needs the main thread, SIGALRM)
     trace_timeout_s: float | None = DEFAULT_TRACE_TIMEOUT_S
+    # hears each phase's name as it starts (load, trace, cost, search, comm, runners-up): the CLI's progress line
+    progress: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         timeout = self.trace_timeout_s

@@ -57,7 +57,7 @@ def test_pass_timings_come_from_the_pass_manager(tmp_path):
     assert list(result.pass_timings_s) == PASSES
     assert all(t >= 0 for t in result.pass_timings_s.values())
     assert sum(result.pass_timings_s.values()) <= result.timings_s["trace_s"]   # the passes run inside tracing
-    assert list(result.timings_s) == ["load_s", "trace_s", "cost_s", "search_s", "total_s"]
+    assert list(result.timings_s) == ["load_s", "trace_s", "cost_s", "search_s", "comm_s", "total_s"]
 
 
 def test_a_failed_search_still_leaves_its_dumps(tmp_path):

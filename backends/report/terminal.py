@@ -1,15 +1,17 @@
-"""Terminal summary of a plan (what `plan` prints and `plan inspect` shows)."""
+"""Terminal summary of a plan (what `plan` prints and `plan inspect` shows). Every table fits `width`
+columns (backends.report.text.table: TERMINAL, the terminal's width, by default; None: never cut, as
+for summary.txt)."""
 
 from __future__ import annotations
 
 from backends.report.gantt import render_gantt
-from backends.report.text import GIB, RUNNERS_UP_HEADER, format_time, printable, runners_up_rows, table
+from backends.report.text import GIB, RUNNERS_UP_HEADER, TERMINAL, format_time, printable, runners_up_rows, table
 from backends.sim import simulate_plan
 from planner.core.cluster import ClusterSpec
 from planner.core.ir import Plan
 
 
-def summary(plan: Plan) -> str:
+def summary(plan: Plan, width: int | None = TERMINAL) -> str:
     e, s = plan.estimates, plan.solver
     devices_used = plan.world_size
     head = [
@@ -32,31 +34,31 @@ def summary(plan: Plan) -> str:
                 f"{e.memory_bytes[st.rank] / GIB:.2f}/{e.capacity_bytes[st.rank] / GIB:.1f}",
                 format_time(e.busy_s[st.rank])])
     stages = table(["rank", "rep/stage", "device", "type", "prec", "blocks", "recompute", "share", "micro",
-                     "schedule", "mem GiB", "busy"], rows)
+                     "schedule", "mem GiB", "busy"], rows, width)
     groups = [[str(g.index), ",".join(map(str, g.ranks)) if len(g.ranks) <= 8 else f"{len(g.ranks)} ranks",
                str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, format_time(g.estimated_s)]
               for g in plan.grad_groups[:12]]
     more = f"\n... {len(plan.grad_groups) - 12} more gradient groups" if len(plan.grad_groups) > 12 else ""
-    grads = table(["group", "ranks", "params", "MiB", "compressor", "est"], groups) + more if groups else \
+    grads = table(["group", "ranks", "params", "MiB", "compressor", "est"], groups, width) + more if groups else \
         "no gradient synchronisation (one replica)"
     return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n"
 
 
-def runners_up_section(plan: Plan) -> str:
+def runners_up_section(plan: Plan, width: int | None = TERMINAL) -> str:
     """Why this plan: the alternatives the search saw, simulated on the same clock."""
     rows = runners_up_rows(plan)
     if not rows:
         return "(no runners-up recorded: planned with a baseline strategy or --no-runners-up)"
-    return "why this plan:\n" + table(RUNNERS_UP_HEADER, rows)
+    return "why this plan:\n" + table(RUNNERS_UP_HEADER, rows, width)
 
 
-def memory_table(plan: Plan) -> str:
+def memory_table(plan: Plan, width: int | None = TERMINAL) -> str:
     """Estimated peak memory per rank against its device, fullest first."""
     e = plan.estimates
     order = sorted(range(plan.world_size), key=lambda r: -e.memory_bytes[r] / e.capacity_bytes[r])
     rows = [[str(r), plan.devices[r], f"{e.memory_bytes[r] / GIB:.2f}", f"{e.capacity_bytes[r] / GIB:.1f}",
              f"{e.memory_bytes[r] / e.capacity_bytes[r]:.0%}"] for r in order[:12]]
-    return table(["rank", "device", "est GiB", "capacity GiB", "used"], rows)
+    return table(["rank", "device", "est GiB", "capacity GiB", "used"], rows, width)
 
 
 def simulation_section(plan: Plan, spec: ClusterSpec) -> str:

@@ -15,6 +15,8 @@ only, stopped whole by a signal, and one line when a rank dies.
   failure: the rank, its device, how it ended, its last completed step (from metrics.jsonl) and the
   last line it wrote.
 - Nothing is lost. An earlier `<out>/run` moves to `<out>/runs/<n>` first (keep_previous_run).
+- Start-up shows. On a terminal a status line follows torchrun, then its workers, until the first step's
+  metrics are written (backends.report.progress; nothing at all when stderr is not a terminal).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import torch.distributed as dist
 
+from backends.report.progress import Progress
 from planner.core.ir import Plan
 
 from .program.metrics import METRICS_FILE, read_metrics
@@ -109,8 +113,9 @@ def run_environment(store_port: int, base: dict[str, str] | None = None) -> dict
 
 
 def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[str], *,
-                timeout_s: float) -> RunOutcome:
-    """Run the program of `plan` for `train_args` with its output in `run_dir` (which must not exist)."""
+                timeout_s: float, progress: Progress | None = None) -> RunOutcome:
+    """Run the program of `plan` for `train_args` with its output in `run_dir` (which must not exist);
+    `progress` shows the start-up until the first step (closed then)."""
     log_dir = run_dir / LOG_DIR
     log_dir.mkdir(parents=True)
     run_id = f"hetplan-{uuid.uuid4().hex[:12]}"
@@ -123,7 +128,7 @@ def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[s
                                  [*train_args, "--out", str(run_dir), "--timeout", str(timeout_s)]),
                 stdout=None, stderr=launcher_log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env=run_environment(store.port))
-            returncode = _wait(proc, received)
+            returncode = _wait(proc, received, _start_up(progress, plan.world_size, run_dir))
     finally:
         store.close()
     if received:
@@ -156,9 +161,27 @@ class _Forwarder:
             pass
 
 
-def _wait(proc: subprocess.Popen, received: list[int]) -> int:
+def _start_up(progress: Progress | None, world_size: int, run_dir: Path) -> Callable[[], None] | None:
+    """What `_wait` calls at each poll to show the start-up: torchrun starting, then its workers (their
+    log folders are there), until the first step's metrics are written; None when nothing shows."""
+    if progress is None or not progress.enabled:
+        return None
+    status = progress
+
+    def poll() -> None:
+        if (run_dir / METRICS_FILE).exists():
+            status.close()
+        elif any((run_dir / LOG_DIR).glob("*/attempt_*/*")):
+            status.phase(f"start-up: {world_size} worker(s) import, join, trace stages")
+        else:
+            status.phase("start-up: torchrun")
+    poll()
+    return poll
+
+
+def _wait(proc: subprocess.Popen, received: list[int], on_poll: Callable[[], None] | None = None) -> int:
     """Wait for torchrun, passing SIGTERM / SIGINT on; kill it GRACE_S after the first one. The signals
-    received are appended to `received`."""
+    received are appended to `received`; `on_poll` is called between polls."""
     forwarder = _Forwarder(proc.pid)
     previous = {s: signal.signal(s, forwarder) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -167,6 +190,8 @@ def _wait(proc: subprocess.Popen, received: list[int]) -> int:
                 return proc.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
                 pass
+            if on_poll is not None:
+                on_poll()
             if forwarder.received and time.monotonic() - forwarder.first_at_s > GRACE_S:
                 forwarder.kill(signal.SIGKILL)
     finally:

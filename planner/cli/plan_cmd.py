@@ -6,12 +6,16 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.cli.args import OneLineParser, positive_number
 from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
 from planner.core import schedule
 from planner.core.errors import HetplanError
 from planner.core.ir import ProgramDefaults
+
+if TYPE_CHECKING:
+    from backends.report.progress import Progress
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -26,7 +30,10 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace OUT even if it is a non-empty directory hetplan did not write")
     p.add_argument("--global-batch", type=int, default=64)
-    p.add_argument("--strategy", default="ilp")
+    p.add_argument("--strategy", default="ilp",
+                   help="ilp (the planner), exact (enumerates the same space, small clusters), or a baseline: "
+                        "uniform, fastest, megatron, metis, single (the best one-device plan), dp (the best "
+                        "pure data-parallel plan)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--stages", type=int, default=None, help="force every pipeline to this many stages")
     p.add_argument("--micro-batch", type=int, default=None, help="force the micro-batch size")
@@ -67,8 +74,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", default="time", choices=["time", "cost"],
                    help="minimise time per iteration, or cost per sample (needs price_per_hour in the spec)")
     p.add_argument("--no-runners-up", action="store_true",
-                   help="skip planning and simulating the baselines and the other topology regime "
-                        "(`plan inspect` then cannot say why this plan won)")
+                   help="skip planning and simulating the baselines, the best single-device and data-parallel "
+                        "plans and the other topology regime (`plan inspect` then cannot say why this plan won)")
     return p
 
 
@@ -76,6 +83,14 @@ def cmd_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     inputs = [path for path in (args.model, args.cluster, args.calibration) if path]
     check_output_dir(Path(args.out), inputs=inputs, force=args.force)   # before planning, not after it
+    from backends.report.progress import Progress  # no torch: the status shows while torch is imported
+
+    with Progress("plan") as progress:     # on a terminal only: the phase running now, on stderr
+        progress.phase("start-up")
+        return _plan(args, inputs, progress)
+
+
+def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> int:
     # the planner is imported once the arguments are known good: `plan --help` needs no torch
     from backends.report.terminal import summary
     from backends.torchdist.emit import emit_program
@@ -93,13 +108,16 @@ def cmd_plan(argv: list[str]) -> int:
                           names={k: v for k, v in names.items() if v != k})
     controls = RunControls(dump_ir_dir=_dump_dir(args.dump_ir, args.out, "--dump-ir"),
                            dump_cp_model_dir=_dump_dir(args.dump_cp_model, args.out, "--dump-cp-model"),
+                           progress=progress.phase if progress.enabled else None,
                            **({"trace_timeout_s": args.trace_timeout} if args.trace_timeout else {}))
     result = plan(args.model, args.cluster, options, controls)
     cost_only = is_onnx_file(args.model)   # an ONNX graph has no torch code to emit a program from
     planned = result.plan if cost_only else dataclasses.replace(result.plan, program=ProgramDefaults(
         learning_rate=args.lr, optimizer=args.optimizer, functions=tuple(sorted(options.names.items()))))
-    text = summary(planned) + "\n" + _timings_text(result.timings_s, result.pass_timings_s)
-    text += f"\n{COST_ONLY_NOTE}\n" if cost_only else ""
+    tail = "\n" + _timings_text(result.timings_s, result.pass_timings_s)
+    tail += f"\n{COST_ONLY_NOTE}\n" if cost_only else ""
+    text = summary(planned, width=None) + tail     # summary.txt: every table whole
+    shown = summary(planned) + tail                # the terminal: tables fit its width
 
     def fill(tmp: Path) -> None:
         planned.save(tmp / "plan.json")
@@ -108,11 +126,13 @@ def cmd_plan(argv: list[str]) -> int:
         if not cost_only:
             emit_program(planned, Path(args.model), tmp / "program")
 
+    progress.phase("write")
     write_atomically(Path(args.out), fill, inputs=inputs, force=args.force)
+    progress.close()     # the status line is gone before the summary prints
     if cost_only:
-        print(text + f"\nwrote {args.out}/plan.json and {args.out}/summary.txt")
+        print(shown + f"\nwrote {args.out}/plan.json and {args.out}/summary.txt")
         return 0
-    print(text + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
+    print(shown + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
     return 0
 
 

@@ -49,6 +49,7 @@ def cmd_run(argv: list[str]) -> int:
                             fix=f"run `plan MODEL --cluster SPEC -o {out}`")
     plan = load_checked_plan(program / "plan.json", allow_changed=args.allow_changed)
     # torch is imported once the plan is known good
+    from backends.report.progress import Progress
     from backends.torchdist.local_run import keep_previous_run, run_program
 
     run_dir = out / "run"
@@ -62,7 +63,8 @@ def cmd_run(argv: list[str]) -> int:
         train_args += ["--optimizer", args.optimizer]
     if args.save_final:
         train_args.append("--save-final")
-    outcome = run_program(plan, program, run_dir, train_args, timeout_s=args.timeout)
+    with Progress("plan run") as progress:    # on a terminal only: the start-up, until the first step
+        outcome = run_program(plan, program, run_dir, train_args, timeout_s=args.timeout, progress=progress)
     if outcome.message:
         print(outcome.message, file=sys.stderr, flush=True)
     return outcome.returncode

@@ -140,6 +140,8 @@ def read_yaml(path: Path | Traversable, file: str) -> object:
     except RecursionError:
         fail(file, "", f"YAML document refused: nested deeper than {MAX_DEPTH} levels", "flatten the document")
     except yaml.YAMLError as exc:
+        if "nesting depth" in str(getattr(exc, "problem", "")):   # PyYAML >= 6.0.4 has its own depth limit
+            fail(file, "", f"YAML document refused: nested deeper than {MAX_DEPTH} levels", "flatten the document")
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = str(getattr(exc, "problem", None) or "not YAML")  # the problem only: never the text around it

@@ -202,6 +202,40 @@ class ProgramDefaults:
 
 
 @dataclass(frozen=True)
+class CommValue:
+    """A value of a stage split as the communication verifier saw it (passes.split.ValueInfo)."""
+
+    name: str
+    producer: int                 # stage; -1: a model input
+    consumers: tuple[int, ...]    # stages; the number of stages stands for the model's output
+    shape: tuple[int, ...]
+    dtype: str                    # torch's name without `torch.`: float32, int64
+    needs_grad: bool
+
+
+@dataclass(frozen=True)
+class CommSplit:
+    """One replica split at one micro-batch size: what its stages receive and send, in their order."""
+
+    replicas: tuple[int, ...]                 # the replicas cut this way
+    rows: int                                 # micro-batch size
+    values: tuple[CommValue, ...]             # every value of the split (tags number them all)
+    stage_inputs: tuple[tuple[str, ...], ...]
+    stage_outputs: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """What passes.comm derived every rank's communication from and proved free of deadlock: the stage
+    splits and gradient-group parameters beside the plan, and a digest of each rank's streams. The
+    program derives its own from its split and refuses to run a stream with another digest."""
+
+    splits: tuple[CommSplit, ...]
+    params: tuple[tuple[str, int, str], ...]   # gradient groups' parameters: name, elements, dtype
+    digests: tuple[str, ...]                   # per rank
+
+
+@dataclass(frozen=True)
 class Plan:
     inputs: PlanInputs
     global_batch: int
@@ -215,6 +249,9 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     devices: tuple[str, ...] = field(default=())   # per rank: device label
     program: ProgramDefaults | None = field(default=None, metadata=OPTIONAL)
+    # planner.api: the streams passes.comm verified. A record of the decisions, not one of them: plans that
+    # decide the same are equal with it or without it (an assembled plan equals the one `plan()` verified)
+    comm: CommRecord | None = field(default=None, metadata=OPTIONAL, compare=False)
 
     def stage_of_rank(self, rank: int) -> tuple[ReplicaPlan, StagePlan]:
         for replica in self.replicas:

@@ -78,6 +78,7 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
 
 def cmd_profile(argv: list[str]) -> int:
     """Entry of `plan profile`; errors are `HetplanError`s, turned into one line by the CLI."""
+    from backends.report.progress import Progress
     from planner.profiling.calibrate import profile, write_calibration
 
     args = _parser().parse_args(argv)
@@ -93,10 +94,14 @@ def cmd_profile(argv: list[str]) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     start = time.perf_counter()
-    doc = profile(quick=args.quick, concurrency=args.concurrency, device=device, device_name=args.device_name,
-                  models=tuple(args.model), timeout_s=args.timeout)
     out = Path(args.out)
-    write_calibration(doc, out)
+    with Progress("plan profile") as progress:   # on a terminal only, on stderr
+        progress.phase(f"measuring {device}" + (" and the models" if args.model else "")
+                       + f" ({max(args.concurrency, 2)} processes)")
+        doc = profile(quick=args.quick, concurrency=args.concurrency, device=device, device_name=args.device_name,
+                      models=tuple(args.model), timeout_s=args.timeout)
+        progress.phase(f"writing {out}")
+        write_calibration(doc, out)
     print("\n".join(summary_lines(doc)))
     other = doc["host_load"]["other_cores_during"]
     if other is not None and other > BUSY_HOST_CORES:

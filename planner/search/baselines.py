@@ -13,6 +13,15 @@ checked by `verify_plan`:
 - `metis`: Metis-style: one depth, stages balanced by each device type's own block times, batch
   shares proportional to each replica's steady-state speed; the best depth and micro-batch size.
 
+And the two plans a user would try first (FIRST_TRIES; always among the runners-up, planner.runners_up):
+
+- `single`: the best plan on one device: every device type that holds the model alone, one stage,
+  every micro-batch size (recompute where nothing fits without it); the best estimate. Exhaustive
+  over that space, so it reports itself OPTIMAL.
+- `dp`: the best pure data-parallel plan: one stage per replica on the devices that hold the model,
+  replica counts, shares and micro-batches as the ILP chooses them: the CP-SAT model of
+  planner.search.ilp over the one-stage candidates only.
+
 Estimates use the ILP's formulas (pipeline time per replica; gradient sync as planner.search.sync
 charges it), with the exact replica count. A baseline that cannot fit
 the model raises PlanningError saying why.
@@ -31,10 +40,11 @@ from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec, Link
 from planner.core.errors import PlanningError
 from planner.core.ir import Plan, PlanInputs
-from planner.search import candidates, topology
+from planner.search import candidates, ilp, topology
 from planner.search.assemble import assemble
 from planner.search.compressors import with_compressor_room
-from planner.search.configs import micro_batch_options, overlap_of, stage_count_options
+from planner.search.configs import build_configs, micro_batch_options, overlap_of, stage_count_options
+from planner.search.explain import GIB
 from planner.search.options import SearchOptions
 from planner.search.split import equal_bounds, solve_split, stage_costs
 from planner.search.sync import split_sync_s
@@ -256,17 +266,82 @@ def as_gpipe(tables: CostTables, solution: candidates.Solution) -> candidates.So
     return evaluate(tables, replicas, solution.status)
 
 
+def single_device_need(tables: CostTables) -> str:
+    """Why the model fits on no single device: the least any device type needs to hold it alone (one
+    stage, micro-batch 1, activations recomputed) against the most any offers."""
+    whole = (0, tables.num_blocks)
+    needs = [(stage_costs(t, whole, 1, (), tables.grad_bytes, recompute=True).stage_memory_bytes[0], t)
+             for t in tables.classes]
+    need, least = min(needs, key=lambda nt: nt[0])
+    roomiest = max(tables.classes, key=lambda t: t.capacity_bytes)
+    return (f"fits on no single device: needs {need / GIB:.1f} GiB at the least ({least.device_type} in "
+            f"{least.precision}, micro-batch 1, recompute); the largest offers {roomiest.capacity_bytes / GIB:.1f} "
+            f"GiB ({roomiest.device_type}, after the memory margin)")
+
+
+def _one_stage_only(name: str, options: SearchOptions) -> None:
+    if options.stages not in (None, 1):
+        raise PlanningError(f"baseline `{name}` runs one stage per replica, not {options.stages}",
+                            field="--stages", fix="drop --stages or choose another strategy")
+
+
+def single_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
+    """The best plan on one device (every device type and micro-batch size tried)."""
+    _one_stage_only("single", options)
+    if options.use_all_devices:
+        raise PlanningError("baseline `single` uses one device", field="--use-all-devices",
+                            fix="drop --use-all-devices or choose another strategy")
+    best: candidates.Solution | None = None
+    tried = 0
+    for ci in range(len(tables.classes)):
+        for m in _micro_batches(tables, options):
+            config = make_config(tables, ci, 1, m, balanced=True)
+            if config is None:
+                continue
+            tried += 1
+            sol = evaluate(tables, [(config, tables.global_batch)], status="OPTIMAL")
+            if best is None or sol.objective_s < best.objective_s:
+                best = sol
+    if best is None:
+        raise PlanningError(f"baseline `single` finds no plan: the model {single_device_need(tables)}",
+                            fix="use --strategy ilp (pipelines), or devices with more memory")
+    # every one-device plan of the search space was estimated: the best is the optimum of that space
+    return dataclasses.replace(best, bound_s=best.objective_s, configurations=tried)
+
+
+def dp_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
+    """The best pure data-parallel plan: the ILP over one-stage replicas."""
+    _one_stage_only("dp", options)
+    configs = build_configs(tables, 1, options.micro_batch, mixed_pipelines=False, schedule=options.schedule)
+    if not configs:
+        raise PlanningError(f"baseline `dp` finds no plan: the model {single_device_need(tables)}",
+                            fix="use --strategy ilp (pipelines), or devices with more memory")
+    # its CP-SAT models are not the plan's: never dumped over the search's own (--dump-cp-model)
+    settings = dataclasses.replace(options.solver, dump_dir=None)
+    found = ilp.solve_regimes(tables, configs, settings, use_all_devices=options.use_all_devices)
+    if not found:
+        raise PlanningError("baseline `dp` finds no plan within the solver's time limit"
+                            + (" on every device" if options.use_all_devices else ""),
+                            fix="raise --time-limit" + ("" if not options.use_all_devices else
+                                                        ", or drop --use-all-devices"))
+    return found[0]
+
+
 SOLVERS: dict[str, Callable[[CostTables, SearchOptions], candidates.Solution]] = {
     "uniform": uniform_solution, "fastest": fastest_solution, "megatron": megatron_solution,
     "metis": metis_solution,
+}
+# what a user would try first: always among the runners-up (planner.runners_up), also a --strategy
+FIRST_TRIES: dict[str, Callable[[CostTables, SearchOptions], candidates.Solution]] = {
+    "single": single_solution, "dp": dp_solution,
 }
 
 
 def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
         options: SearchOptions) -> Plan:
-    """Plan with baseline `name` (a key of SOLVERS); the plan is verified, memory included."""
-    solution = SOLVERS[name](tables, options)
-    if options.schedule == "gpipe":
+    """Plan with baseline `name` (a key of SOLVERS or FIRST_TRIES); the plan is verified, memory included."""
+    solution = {**SOLVERS, **FIRST_TRIES}[name](tables, options)
+    if options.schedule == "gpipe" and name != "dp":    # dp's candidates already run the schedule asked for
         solution = as_gpipe(tables, solution)
     plan = assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name)
     verify_plan(plan, spec)

@@ -1,5 +1,6 @@
 """Search strategies by name. `ilp` is the planner; `exact` enumerates the ILP's space (small
-clusters: a reference optimum); the others are baselines for comparison (planner.search.baselines)."""
+clusters: a reference optimum); the others are baselines for comparison (planner.search.baselines):
+the published recipes, and the two plans a user would try first (`single`, `dp`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from planner.search.configs import build_configs
 from planner.search.enumerate import exact_solution
 from planner.search.options import SearchOptions
 
-STRATEGIES = ("ilp", "exact", *baselines.SOLVERS)
+STRATEGIES = ("ilp", "exact", *baselines.SOLVERS, *baselines.FIRST_TRIES)
 
 
 def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
@@ -28,7 +29,7 @@ def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block],
     if name not in STRATEGIES:
         raise PlanningError(f"unknown strategy `{name}`", field="--strategy",
                             fix=f"use one of: {', '.join(STRATEGIES)}")
-    if name in baselines.SOLVERS:
+    if name in baselines.SOLVERS or name in baselines.FIRST_TRIES:
         return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options), []
     configs = build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
     if not configs:

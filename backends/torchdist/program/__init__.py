@@ -15,6 +15,7 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
     p2p             point-to-point sends and receives between stages, with their message tags
     activations     activation compression on pipeline links (the wire format of each value)
     pipeline        the schedule executor: a stage's 1F1B / GPipe actions, forward and backward
+    comm_check      refuse to start unless this rank's communication is the one `plan` verified
     slowdown        emulated slow devices: each compute step padded to the spec's `slowdown`
     precision       autocast per stage and plan-wide fp16 loss scaling
     gradsync        gradient groups: an exact or compressed all-reduce per group

@@ -86,19 +86,21 @@ class StageExecutor:
         stage = split.stages[ctx.stage.index]
         local = dict(zip(split.model_inputs, mb.inputs))
         value_index = {name: i for i, name in enumerate(sorted(split.values))}
-        args, received = [], []
-        for name in stage.inputs:
+        received = []
+        # values travel in value order both ways (sends, receives, their gradients): NCCL matches the
+        # messages of two ranks in the order they are issued, not by tag (passes.comm verifies the order)
+        for name in sorted(stage.inputs, key=value_index.__getitem__):
             info = split.values[name]
             if info.producer == -1:
-                args.append(local[name])
                 continue
             t = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(info.producer),
                               tag(j, value_index[name], False, len(value_index)), ctx.device,
                               codec=self.edges[info.producer, ctx.stage.index])
             if info.needs_grad:
                 t.requires_grad_(True)
-            args.append(t)
             received.append((name, t))
+        arrived = dict(received)
+        args = [arrived[name] if name in arrived else local[name] for name in stage.inputs]
         with precision.autocast(self.compute_dtype, ctx.device):
             if ctx.stage.recompute:   # keep only the stage inputs; rerun the forward during backward
                 outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
@@ -113,7 +115,7 @@ class StageExecutor:
             record["loss"] = self.scaler.scale_loss(loss) if self.scaler else loss
             contribution = float(loss.detach())
         else:
-            for name, t in zip(stage.outputs, outs):
+            for name, t in sorted(zip(stage.outputs, outs), key=lambda item: value_index[item[0]]):
                 info = split.values[name]
                 for consumer in info.consumers:
                     if consumer < ctx.num_stages:

@@ -53,7 +53,7 @@ from planner import frontend
 from planner.core.errors import HetplanError
 from planner.core.ir import Plan
 
-from . import gradsync, layout, metrics, optimizers, pipeline, placement, process_group, stages
+from . import comm_check, gradsync, layout, metrics, optimizers, pipeline, placement, process_group, stages
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -90,6 +90,7 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
     model_file = frontend.load_model_file(here / "model.py", functions)
     model = stages.build_model(model_file, args.seed)       # same values as one process
     executor = pipeline.StageExecutor(plan, ctx, model_file, model, cpu_autocast=args.cpu_autocast)
+    comm_check.check(plan, ctx, executor.graphs, model_file, model)   # only the verified communication
     grad_sync = gradsync.GradientSync(list(plan.grad_groups), ctx.grad_groups, executor.params)
     freeze_step = (optimizers.onebit_freeze_step(plan, args.steps) if args.onebit_freeze_step is None
                    else args.onebit_freeze_step)

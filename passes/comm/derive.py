@@ -1,0 +1,248 @@
+"""Every rank's ordered communication, derived from the plan and its StreamInputs: the one function the
+planner verifies and the program checks itself against (backends/torchdist/program/comm_check.py).
+
+It follows the program call for call (backends/torchdist/program/):
+
+  set-up     process_group.init: every rank creates every gradient group, in plan order (a barrier over
+             all ranks each); comm_check: one all-reduce over all ranks of who found its stream wrong
+  step       pipeline.StageExecutor.train_step: per schedule action, a forward receives its stage's
+             inputs from their producers and sends its outputs to each later consumer; a backward
+             receives the gradients of its outputs from those consumers and sends its inputs' gradients
+             back (values that need one); then the step's sends are waited for.
+             optimizers.sync_step_gradients: the fp16 inf check over all ranks (loss scaling), then
+             each gradient group this rank is in, in plan order: one flat all-reduce (`none`), or one
+             compressed all-reduce per bucket; 1-bit Adam's momentum exchange in the optimizer step.
+             train.py: the loss all-reduce over all ranks
+  end        train.py: a barrier over all ranks
+
+A step depends on how the program runs (`Variant`): with or without plan-wide loss scaling (a step
+skipped after an overflow syncs nothing), and for `onebit` groups: gradients compressed (SGD), summed
+exactly (AdamW's warm-up) or momentum exchanged (1-bit Adam after it). `variants` lists every one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from passes.comm.events import COLLECTIVE, RECV, SEND, WAIT, WORLD, CommEvent, message_tag
+from passes.comm.inputs import SplitView, StreamInputs
+from planner.core import schedule as sched
+from planner.core.errors import PassError
+from planner.core.ir import GradGroup, Plan
+
+Schedules = Callable[[int], list[list[sched.Action]]]   # replica index -> its action list per stage
+ONEBIT_MODES = ("gradients", "exact", "momentum")
+FP32 = "float32"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one step runs, as far as communication goes."""
+
+    loss_scaling: bool = False    # a stage computes in fp16: the inf check over all ranks
+    skipped: bool = False         # (loss scaling) an overflow somewhere: no gradient sync, no update
+    onebit: str = "gradients"     # onebit groups: compressed gradients | exact warm-up | momentum
+
+    @property
+    def name(self) -> str:
+        parts = [f"onebit {self.onebit}"] + (["loss scaling"] if self.loss_scaling else []) + \
+            (["skipped"] if self.skipped else [])
+        return ", ".join(parts)
+
+
+def variants(plan: Plan) -> list[Variant]:
+    """Every way the program may run a step of `plan`, whatever its flags (`--optimizer`,
+    `--cpu-autocast`) and the step (1-bit Adam's warm-up, an fp16 overflow)."""
+    modes = ONEBIT_MODES if any(g.compressor == "onebit" for g in plan.grad_groups) else ONEBIT_MODES[:1]
+    out = [Variant(scaling, False, mode) for scaling in (False, True) for mode in modes]
+    return out + [Variant(True, True, modes[0])]
+
+
+def default_schedules(plan: Plan) -> Schedules:
+    """Each replica's schedule (sched.make), made once per distinct (schedule, stages, micro-batches)."""
+    made: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
+
+    def of(r: int) -> list[list[sched.Action]]:
+        replica = plan.replicas[r]
+        shape = (replica.schedule, len(replica.stages), len(replica.micro_batch_sizes))
+        if shape not in made:
+            made[shape] = sched.make(*shape)
+        return made[shape]
+
+    return of
+
+
+def edge_codecs(plan: Plan, replica: int) -> dict[tuple[int, int], str]:
+    """(producer stage, consumer stage) -> codec name, as program/pipeline.edge_codecs pairs them: a value
+    skipping stages travels with the codec of the edge leaving its producer."""
+    edges = {(e.src_stage, e.dst_stage): e.compressor if e.compressor != "int8" else f"int8/{e.block_elems}"
+             for e in plan.p2p if e.replica == replica}
+    stages = len(plan.replicas[replica].stages)
+    return {(a, b): edges.get((a, b), edges.get((a, a + 1), "none"))
+            for a in range(stages) for b in range(a + 1, stages)}
+
+
+def rank_stream(plan: Plan, rank: int, inputs: StreamInputs, variant: Variant,
+                schedules: Schedules | None = None) -> list[CommEvent]:
+    """The communication of `rank` in a run of one step of `variant`, in program order."""
+    return rank_streams(plan, rank, inputs, [variant], schedules)[variant]
+
+
+def rank_streams(plan: Plan, rank: int, inputs: StreamInputs, of: Sequence[Variant],
+                 schedules: Schedules | None = None) -> dict[Variant, list[CommEvent]]:
+    """`rank_stream` for each variant in `of`."""
+    common, tails = rank_parts(plan, rank, inputs, of, schedules)
+    return {v: common + tails[v] for v in of}
+
+
+def rank_parts(plan: Plan, rank: int, inputs: StreamInputs, of: Sequence[Variant],
+               schedules: Schedules | None = None) -> tuple[list[CommEvent], dict[Variant, list[CommEvent]]]:
+    """`rank`'s streams in two parts: what every variant shares (the set-up, the pipeline, the wait for
+    its sends) and each variant's rest (collectives only). Each part completes on its own or not at all:
+    a rank past its wait has posted and received all its messages, so no rank's pipeline waits for it."""
+    common = _collectives(plan, rank, inputs, None)
+    common += _pipeline(plan, rank, inputs, schedules or default_schedules(plan))
+    common.append(CommEvent(WAIT, rank, "step"))
+    return common, {v: _collectives(plan, rank, inputs, v) for v in of}
+
+
+def streams(plan: Plan, inputs: StreamInputs, variant: Variant,
+            schedules: Schedules | None = None) -> list[list[CommEvent]]:
+    """Every rank's stream (index = rank) for one step of `variant`."""
+    schedules = schedules or default_schedules(plan)
+    return [rank_stream(plan, rank, inputs, variant, schedules) for rank in range(plan.world_size)]
+
+
+def _collectives(plan: Plan, rank: int, inputs: StreamInputs, variant: Variant | None) -> list[CommEvent]:
+    """The set-up (`variant` None), or what follows the step's pipeline and its wait: gradient sync,
+    optimizer, loss, and the run's end."""
+    world = _world(plan.world_size)
+    out: list[CommEvent] = []
+
+    def collective(label: str, group: str, members: tuple[int, ...], op: str, shape: tuple[int, ...],
+                   dtype: str, nbytes: int) -> None:
+        out.append(CommEvent(COLLECTIVE, rank, label, group=group, members=members, op=op,
+                             shape=shape, dtype=dtype, nbytes=nbytes))
+
+    if variant is None:
+        for g in plan.grad_groups:
+            collective("setup", WORLD, world, f"new_group grad{g.index}", (len(g.ranks),), "", 0)
+        collective("check", WORLD, world, "all_reduce", (plan.world_size,), "int32", 4 * plan.world_size)
+        return out
+    if variant.loss_scaling:
+        collective("inf check", WORLD, world, "all_reduce", (1,), FP32, 4)
+    if not variant.skipped:
+        groups = [g for g in plan.grad_groups if rank in g.ranks]
+        for g in groups:
+            if g.compressor == "none" or (g.compressor == "onebit" and variant.onebit == "exact"):
+                numel, dtype = _flat(g, inputs)
+                if numel:
+                    collective("sync", f"grad{g.index}", g.ranks, "all_reduce", (numel,), dtype,
+                               numel * _itemsize(dtype))
+            elif not (g.compressor == "onebit" and variant.onebit == "momentum"):
+                for b, n in enumerate(_buckets(g, inputs)):
+                    collective(f"sync b{b}", f"grad{g.index}", g.ranks, g.compressor, (n,), FP32, 4 * n)
+        for g in groups if variant.onebit == "momentum" else ():
+            if g.compressor == "onebit":
+                for b, n in enumerate(_buckets(g, inputs)):
+                    collective(f"step b{b}", f"grad{g.index}", g.ranks, "onebit", (n,), FP32, 4 * n)
+    collective("loss", WORLD, world, "all_reduce", (1,), "float64", 8)
+    collective("end", WORLD, world, "barrier", (), "", 0)
+    return out
+
+
+def _pipeline(plan: Plan, rank: int, inputs: StreamInputs, schedules: Schedules) -> list[CommEvent]:
+    replica, stage = plan.stage_of_rank(rank)
+    plans: dict[int, dict[str, list[_Message]]] = {}     # micro-batch rows -> the messages of F and B
+    out: list[CommEvent] = []
+    for action in schedules(replica.index)[stage.index]:
+        rows = replica.micro_batch_sizes[action.micro]
+        if rows not in plans:
+            plans[rows] = _messages(plan, replica.index, stage.index, inputs.split(replica.index, rows))
+        label = str(action)
+        for m in plans[rows][action.kind]:
+            out.append(CommEvent(m.kind, rank, label, peer=m.peer, tag=message_tag(action.micro, m.index, m.backward,
+                                                                                   m.num_values),
+                                 codec=m.codec, shape=m.shape, dtype=m.dtype, nbytes=m.nbytes))
+    return out
+
+
+@dataclass(frozen=True)
+class _Message:
+    kind: str
+    peer: int
+    index: int            # the value's position among the split's values, sorted by name (its tag)
+    num_values: int
+    backward: bool
+    codec: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+def _messages(plan: Plan, replica_index: int, k: int, view: SplitView) -> dict[str, list[_Message]]:
+    """Stage k's messages in a forward ("F") and a backward ("B") of one micro-batch, in program order:
+    values in value order both ways (pipeline.py), since a pair's messages match in issue order."""
+    replica = plan.replicas[replica_index]
+    num_stages, last = len(replica.stages), len(replica.stages) - 1
+    codec = edge_codecs(plan, replica_index)
+    index = {name: i for i, name in enumerate(sorted(view.values))}
+    values = view.values
+
+    def message(kind: str, name: str, peer_stage: int, backward: bool, edge: tuple[int, int]) -> _Message:
+        v = values[name]
+        numel = 1
+        for d in v.shape:
+            numel *= d
+        return _Message(kind, replica.stages[peer_stage].rank, index[name], len(index), backward, codec[edge],
+                        v.shape, v.dtype, numel * _itemsize(v.dtype))
+
+    received = sorted((n for n in view.stage_inputs[k] if values[n].producer != -1), key=index.__getitem__)
+    outputs = sorted(view.stage_outputs[k], key=index.__getitem__) if k != last else []
+    forward = [message(RECV, n, values[n].producer, False, (values[n].producer, k)) for n in received]
+    forward += [message(SEND, n, c, False, (k, c)) for n in outputs for c in values[n].consumers if c < num_stages]
+    backward = [message(RECV, n, c, True, (k, c)) for n in outputs if values[n].needs_grad
+                for c in values[n].consumers if c < num_stages]
+    backward += [message(SEND, n, values[n].producer, True, (values[n].producer, k))
+                 for n in received if values[n].needs_grad]
+    return {"F": forward, "B": backward}
+
+
+@functools.lru_cache(maxsize=8)
+def _world(size: int) -> tuple[int, ...]:
+    """All ranks, one tuple shared by every event (the simulator and the text form look it up by it)."""
+    return tuple(range(size))
+
+
+def _numels(group: GradGroup, inputs: StreamInputs) -> list[tuple[int, str]]:
+    return [inputs.param(name) for name in group.params]
+
+
+def _flat(group: GradGroup, inputs: StreamInputs) -> tuple[int, str]:
+    """One flat all-reduce of the group's gradients (gradsync.allreduce_sum_): elements and dtype."""
+    params = _numels(group, inputs)
+    if not params:
+        return 0, FP32
+    dtype = getattr(torch, params[0][1])
+    for _, name in params[1:]:
+        dtype = torch.promote_types(dtype, getattr(torch, name))
+    return sum(n for n, _ in params), str(dtype).removeprefix("torch.")
+
+
+def _buckets(group: GradGroup, inputs: StreamInputs) -> list[int]:
+    """Elements of each bucket a compressed group reduces (CompressorSettings.bucket_ranges)."""
+    if group.settings is None:
+        raise PassError(f"gradient group {group.index} uses {group.compressor} without its settings",
+                        field="grad_groups.settings", fix="re-plan with this hetplan version")
+    numels = [n for n, _ in _numels(group, inputs)]
+    sizes = [sum(numels[a:b]) for a, b in group.settings.bucket_ranges(numels)]
+    # an empty bucket issues no collective under onebit (it returns early); torch's hooks reduce it
+    return [n for n in sizes if n or group.compressor != "onebit"]
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
