@@ -184,6 +184,12 @@ def test_a_hung_rank_is_detected_within_the_timeout(start_run, planned):
     assert time.monotonic() - start < 60
     assert run.proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("plan run: rank "), lines
     assert run.gone_within(SURVIVE_S) == {}
+    logs = {log.parts[-2]: log.read_text(errors="replace")
+            for log in (run.out / "run" / "logs").glob("*/attempt_*/*/stderr.log")}
+    assert len(logs) == plan_.world_size
+    for rank, text in logs.items():     # each rank that waited in vain says so in one line, not a traceback
+        if rank != "1":
+            assert "Traceback" not in text and "train.py: rank " in text, (rank, text[-2000:])
 
 
 def _listening(pids: list[int]) -> list[tuple[str, int]]:

@@ -127,6 +127,7 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
 
 def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parent
+    place: placement.Placement | None = None
     try:
         plan = Plan.load(here / "plan.json")
         args = parse_args(plan, here, argv)
@@ -139,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, placement.LaunchError) or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"train.py: {exc.one_line()}", file=sys.stderr, flush=True)
         return exc.exit_code
-    except dist.DistError as exc:   # a peer died or hung: the launcher names it; this rank says what it saw
+    except (dist.DistError, RuntimeError) as exc:
+        if not isinstance(exc, dist.DistError) and "gloo" not in str(exc):
+            raise                   # not communication: the traceback is the report
+        # a peer died or hung (gloo reports a timeout or a closed connection as a RuntimeError): the
+        # launcher names the rank; this one says what it saw, in one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"train.py: rank {place.rank}: {type(exc).__name__}: {first[:300]}", file=sys.stderr, flush=True)
+        rank = place.rank if place is not None else os.environ.get("RANK", "?")
+        print(f"train.py: rank {rank}: {type(exc).__name__}: {first[:300]}", file=sys.stderr, flush=True)
         return 1
     return 0
 
