@@ -22,6 +22,7 @@ import time
 from types import TracebackType
 from typing import TextIO
 
+from backends.report.text import isatty
 from planner.core.errors import printable
 
 REDRAW_S = 0.1                   # how often the spinner turns
@@ -31,12 +32,7 @@ CLEAR = "\r\x1b[K"               # to the line's start, erase to its end
 
 def is_terminal(stream: TextIO | None) -> bool:
     """Whether `stream` writes to a terminal that understands a redrawn line."""
-    if stream is None or os.environ.get("TERM") == "dumb":
-        return False
-    try:
-        return stream.isatty()
-    except (ValueError, AttributeError, OSError):    # closed, or not a real stream
-        return False
+    return os.environ.get("TERM") != "dumb" and isatty(stream)
 
 
 class Progress:

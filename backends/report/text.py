@@ -18,12 +18,13 @@ import shutil
 import sys
 import textwrap
 from collections import Counter
+from typing import TextIO
 
 from planner.core.errors import printable
 from planner.core.ir import Plan
 
-__all__ = ["GIB", "NO_PLAN_DEVICES", "RUNNERS_UP_HEADER", "SAME_AS_CHOSEN", "TERMINAL", "format_time", "layout",
-           "printable", "runners_up_rows", "signed_time", "table", "terminal_width"]
+__all__ = ["GIB", "NO_PLAN_DEVICES", "RUNNERS_UP_HEADER", "SAME_AS_CHOSEN", "TERMINAL", "format_time", "isatty",
+           "layout", "printable", "runners_up_rows", "signed_time", "table", "terminal_width"]
 
 GIB = float(1 << 30)
 TERMINAL = -1            # `table(width=...)`'s default: fit terminal_width()
@@ -35,14 +36,20 @@ NUMBER = re.compile(r"[-+~]?\$?\d[\d.,]*(e[-+]?\d+)?( ?(%|x|s|ms|us|ns|B|KiB|MiB
                     r"([/:x-][\d.,]+( ?(%|s|ms|us|GiB|MiB))?)?")
 
 
+def isatty(stream: TextIO | None) -> bool:
+    """Whether `stream` writes to a terminal (False for None, a closed stream or one without a file)."""
+    if stream is None:
+        return False
+    try:
+        return stream.isatty()
+    except (ValueError, AttributeError, OSError):    # closed, or not a real stream
+        return False
+
+
 def terminal_width() -> int | None:
     """The columns a table should fit: COLUMNS when set, else the width of the terminal stdout writes to;
     None when stdout is not a terminal (a pipe, a file, a test's capture: tables stay whole)."""
-    try:
-        on_terminal = sys.stdout is not None and sys.stdout.isatty()
-    except (ValueError, AttributeError):    # a closed or unusual stream
-        on_terminal = False
-    if not (os.environ.get("COLUMNS", "").strip().isdigit() or on_terminal):
+    if not (os.environ.get("COLUMNS", "").strip().isdigit() or isatty(sys.stdout)):
         return None
     return shutil.get_terminal_size().columns
 

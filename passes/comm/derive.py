@@ -23,6 +23,7 @@ exactly (AdamW's warm-up) or momentum exchanged (1-bit Adam after it). `variants
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from passes.comm.events import COLLECTIVE, RECV, SEND, WAIT, WORLD, CommEvent, m
 from passes.comm.inputs import SplitView, StreamInputs
 from planner.core import schedule as sched
 from planner.core.errors import PassError
-from planner.core.ir import GradGroup, Plan
+from planner.core.ir import GradGroup, P2PEdge, Plan
 
 Schedules = Callable[[int], list[list[sched.Action]]]   # replica index -> its action list per stage
 ONEBIT_MODES = ("gradients", "exact", "momentum")
@@ -76,14 +77,19 @@ def default_schedules(plan: Plan) -> Schedules:
     return of
 
 
-def edge_codecs(plan: Plan, replica: int) -> dict[tuple[int, int], str]:
-    """(producer stage, consumer stage) -> codec name, as program/pipeline.edge_codecs pairs them: a value
-    skipping stages travels with the codec of the edge leaving its producer."""
-    edges = {(e.src_stage, e.dst_stage): e.compressor if e.compressor != "int8" else f"int8/{e.block_elems}"
-             for e in plan.p2p if e.replica == replica}
+def edge_pairs(plan: Plan, replica: int) -> dict[tuple[int, int], P2PEdge | None]:
+    """(producer stage, consumer stage) -> the plan's edge whose codec a value between them travels with,
+    for every pair of a replica (None: no edge recorded, no codec). A value skipping stages travels with
+    the edge leaving its producer. The program pairs its codecs by this too (program/pipeline.edge_codecs)."""
+    edges = {(e.src_stage, e.dst_stage): e for e in plan.p2p if e.replica == replica}
     stages = len(plan.replicas[replica].stages)
-    return {(a, b): edges.get((a, b), edges.get((a, a + 1), "none"))
-            for a in range(stages) for b in range(a + 1, stages)}
+    return {(a, b): edges.get((a, b), edges.get((a, a + 1))) for a in range(stages) for b in range(a + 1, stages)}
+
+
+def edge_codecs(plan: Plan, replica: int) -> dict[tuple[int, int], str]:
+    """(producer stage, consumer stage) -> codec name (`none`, `fp16`, `int8/64`), by edge_pairs."""
+    return {pair: "none" if e is None else e.compressor if e.compressor != "int8" else f"int8/{e.block_elems}"
+            for pair, e in edge_pairs(plan, replica).items()}
 
 
 def rank_stream(plan: Plan, rank: int, inputs: StreamInputs, variant: Variant,
@@ -195,11 +201,8 @@ def _messages(plan: Plan, replica_index: int, k: int, view: SplitView) -> dict[s
 
     def message(kind: str, name: str, peer_stage: int, backward: bool, edge: tuple[int, int]) -> _Message:
         v = values[name]
-        numel = 1
-        for d in v.shape:
-            numel *= d
         return _Message(kind, replica.stages[peer_stage].rank, index[name], len(index), backward, codec[edge],
-                        v.shape, v.dtype, numel * _itemsize(v.dtype))
+                        v.shape, v.dtype, math.prod(v.shape) * _itemsize(v.dtype))
 
     received = sorted((n for n in view.stage_inputs[k] if values[n].producer != -1), key=index.__getitem__)
     outputs = sorted(view.stage_outputs[k], key=index.__getitem__) if k != last else []

@@ -26,8 +26,8 @@ DIGEST_CHARS = 16          # 64 bits: this guards against a derivation that drif
 
 
 def message_tag(micro: int, value_index: int, backward: bool, num_values: int) -> int:
-    """A message tag unique per (micro-batch, value, direction) within one step: the program's p2p.tag
-    (tests/test_verify_comm.py holds the two equal)."""
+    """A message tag unique per (micro-batch, value, direction) within one step (the program's p2p.tag is
+    this function)."""
     return (micro % 2048) * 2 * max(num_values, 1) + 2 * value_index + int(backward)
 
 

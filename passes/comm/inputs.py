@@ -9,6 +9,7 @@ the planner's (`to_record` / `from_record`), so that either side derives its str
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,13 +69,7 @@ class StreamInputs:
 
 def param_table(named: Iterable[tuple[str, Any]]) -> dict[str, tuple[int, str]]:
     """(name, tensor-like with shape and dtype) pairs -> name: (elements, dtype)."""
-    out = {}
-    for name, value in named:
-        numel = 1
-        for d in value.shape:
-            numel *= int(d)
-        out[name] = (numel, dtype_name(value.dtype))
-    return out
+    return {name: (math.prod(int(d) for d in value.shape), dtype_name(value.dtype)) for name, value in named}
 
 
 def model_params(model: nn.Module) -> dict[str, tuple[int, str]]:

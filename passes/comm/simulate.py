@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+import networkx as nx
+
 from passes.comm.events import KINDS, RECV, SEND, WAIT, CommEvent
 from planner.core.errors import PassError
 
@@ -211,22 +213,12 @@ def _names(ranks: Sequence[int]) -> str:
 
 
 def _find_cycle(edges: dict[int, list[int]]) -> list[int]:
-    """A cycle of the wait-for graph (ranks in order), or [] (iterative depth-first search)."""
-    state: dict[int, int] = {}          # 1: on the path, 2: explored
-    for root in sorted(edges):
-        if root in state:
-            continue
-        path, iters = [root], [iter(edges[root])]
-        state[root] = 1
-        while path:
-            nxt = next(iters[-1], None)
-            if nxt is None:
-                state[path.pop()] = 2
-                iters.pop()
-            elif state.get(nxt) == 1:
-                return path[path.index(nxt):]
-            elif nxt not in state and nxt in edges:
-                state[nxt] = 1
-                path.append(nxt)
-                iters.append(iter(edges[nxt]))
-    return []
+    """A cycle of the wait-for graph (ranks in order, from the first rank on it that the search from the
+    lowest rank meets again), or []."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(sorted(edges))
+    graph.add_edges_from((r, q) for r in sorted(edges) for q in edges[r])
+    try:
+        return [r for r, _ in nx.find_cycle(graph, source=sorted(edges))]
+    except nx.NetworkXNoCycle:
+        return []

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from passes.comm.derive import edge_pairs
 from passes.split import StageSplit
 from planner import frontend
 from planner.core import schedule as sched
@@ -33,12 +34,10 @@ def edge_codecs(plan: Plan, replica: int) -> dict[tuple[int, int], Codec]:
     """(producer stage, consumer stage) -> activation codec, for every pair of a replica.
 
     The plan names the compressor (and its settings) of each adjacent edge; a value skipping stages
-    travels with the codec of the edge leaving its producer. Sender and receiver look up the same pair.
+    travels with the codec of the edge leaving its producer (passes.comm's edge_pairs, the pairing the
+    verifier derived the messages from). Sender and receiver look up the same pair.
     """
-    edges = {(e.src_stage, e.dst_stage): Codec.of(e) for e in plan.p2p if e.replica == replica}
-    stages = len(plan.replicas[replica].stages)
-    return {(a, b): edges.get((a, b), edges.get((a, a + 1), NO_CODEC))
-            for a in range(stages) for b in range(a + 1, stages)}
+    return {pair: NO_CODEC if e is None else Codec.of(e) for pair, e in edge_pairs(plan, replica).items()}
 
 
 class StageExecutor:
