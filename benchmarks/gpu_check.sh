@@ -140,8 +140,13 @@ if plan and metrics_path.is_file():
         measured = statistics.median(timed)
         estimate = plan["estimates"]["iteration_s"]
         print(f"program gpt 1 device: estimate {estimate * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
-              f"(median of {len(timed)} steps), error {(estimate - measured) / measured:+.0%}, "
-              f"peak memory {max(m['peak_memory_bytes'] for m in metrics) / 2**20:.0f} MiB")
+              f"(median of {len(timed)} steps), error {(estimate - measured) / measured:+.0%}")
+        allocated = max(m["peak_memory_bytes"] for m in metrics)
+        reserved = max(m.get("peak_reserved_bytes") or 0 for m in metrics)
+        planned = plan["estimates"]["memory_bytes"][0]
+        print(f"program gpt 1 device: memory estimate {planned / 2**20:.0f} MiB, allocator peak "
+              f"{allocated / 2**20:.0f} MiB allocated, {reserved / 2**20:.0f} MiB reserved "
+              f"(estimate vs reserved {(planned - reserved) / max(reserved, 1):+.0%})")
 EOF
 cat "$SUMMARY"
 if [ -n "${OUT:-}" ]; then   # two files back instead of a tree

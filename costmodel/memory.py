@@ -5,7 +5,8 @@ The rule (`fits`) is the same everywhere a plan's memory is judged: the stage sp
 programme and greedy test, the GPipe micro-batch limit and the compressor choice in the search, the
 per-rank estimate assembly records, and `passes.verify.verify_plan`:
 
-    need     = training state + kept activations + framework + compressor state   (`need_bytes`)
+    need     = training state + kept activations + framework + compressor state   (`need_bytes`;
+               framework: the process's own memory and the largest gradient's transient, per process)
     capacity = device memory x (1 - margin)                                     (`capacity_bytes`)
     fits    <=> need <= capacity
 """
@@ -49,6 +50,25 @@ def framework_bytes(device: DeviceType, calibration: Calibration | None = None) 
     if calibration is not None and calibration.matches(device):
         return calibration.framework_bytes
     return C.CPU_FRAMEWORK_OVERHEAD_BYTES if _is_cpu(device) else C.GPU_FRAMEWORK_OVERHEAD_BYTES
+
+
+LOSS_OUTPUT_COPIES = 3.0   # cross-entropy: its log-softmax kept for the backward, and the backward's two gradients
+
+
+def loss_bytes(output_bytes: float) -> float:
+    """What the loss holds at its backward on the last stage, per sample, for a model output of
+    `output_bytes` per sample: a log-softmax of the output kept, then the gradients of it and of the output
+    (a language model's logits: vocabulary x sequence per row, the largest activation of its last stage)."""
+    return LOSS_OUTPUT_COPIES * output_bytes
+
+
+def gradient_transient_bytes(largest_param_bytes_fp32: float) -> float:
+    """What a backward holds beyond the training state at its peak, besides activations: autograd makes
+    each parameter's new gradient whole and then adds it to the one the rank holds (every micro-batch
+    after the first, every step after the first), so the largest tensor's gradient is briefly there
+    twice. The model's largest parameter tensor bounds it on every stage (an embedding or an LM head:
+    a few percent of a stage's state); measured on a 374M-parameter Llama's head, benchmarks/memory_scale.py."""
+    return largest_param_bytes_fp32
 
 
 def capacity_bytes(memory_bytes: float, margin: float) -> float:

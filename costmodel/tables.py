@@ -37,13 +37,20 @@ class ClassTable:
     intra_bandwidth_bytes_s: float
     intra_latency_s: float
     price_per_hour: float | None = None
-    framework_bytes: float = 0.0     # per process before any model state (part of every stage's need)
+    framework_bytes: float = 0.0     # per process besides its stage's state and activations: the framework's
+    #                                  own memory and the largest gradient's transient (part of every stage's need)
 
     @property
     def model_bytes(self) -> float:
         """Memory per device left for the model (state, activations, compressor state): capacity less
         the framework's."""
         return self.capacity_bytes - self.framework_bytes
+
+
+def output_bytes(last: Block) -> float:
+    """Bytes of the model's output at the trace batch: the last block's last computed value."""
+    computed = [o.out_bytes for o in last.ops if o.op_class != "view"]
+    return computed[-1] if computed else 0.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,10 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         if calibration is not None and calibration.matches(dev):
             fwd, bwd, over = calibrated.scale_to_model_timing(blocks, fwd, bwd, over, dev, calibration)
         state = tuple(memory.state_bytes(b.param_bytes, prec) for b in blocks)
+        transient = memory.gradient_transient_bytes(max((size for b in blocks for size in b.param_sizes), default=0.0))
         act = tuple(b.activation_bytes * byte_scale / trace_batch for b in blocks)
+        if blocks:      # the loss runs after the last block, on the last stage: its memory is that block's
+            act = act[:-1] + (act[-1] + memory.loss_bytes(output_bytes(blocks[-1]) * byte_scale / trace_batch),)
         boundary = tuple(b.boundary_bytes * byte_scale / trace_batch for b in blocks)
         opt = tuple(compute.optimizer_step_s(b.param_bytes, len(b.params), dev, calibration) for b in blocks)
         if calibration is not None and calibration.matches(dev):
@@ -91,7 +101,7 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         classes.append(ClassTable(
             name=group.name, device_type=dev.name, num_devices=group.count * group.per_node,
             per_node=group.per_node, num_nodes=group.count, precision=prec, capacity_bytes=capacity,
-            framework_bytes=memory.framework_bytes(dev, calibration),
+            framework_bytes=memory.framework_bytes(dev, calibration) + transient,
             fwd_s=fwd, bwd_s=bwd, overhead_s=over, state_bytes=state, act_bytes=act,
             boundary_bytes=boundary, optimizer_s=opt,
             intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,

@@ -6,16 +6,26 @@ which every rank computes locally, and values of earlier stages, which arrive by
 outputs are the values later stages (or the model's output) read. Skip connections across several
 stages are ordinary values with a far consumer. Parameters enter as get_attr on the stage's own
 root module, which holds the very same Parameter objects as the model.
+
+A stage input that an in-place op writes to (`nn.ReLU(inplace=True)` right after a cut) is cloned first
+inside the stage: a received activation is a leaf that requires grad, which autograd refuses to modify in
+place, and a model input must stay as it was for a recompute. Other inputs are used as they are. The last
+stage's outputs are the model's output flattened; `StageSplit.model_output` rebuilds its structure (a
+tuple, a dict, a Hugging Face `ModelOutput`) from the traced graph's output tree, so the loss receives
+what the model returns on one process.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from passes.blocks import compute_nodes
 from planner.core.errors import PassError
@@ -49,6 +59,14 @@ class StageSplit:
     values: dict[str, ValueInfo]          # every value that crosses a boundary or is a model input
     model_inputs: list[str]
     output_structure: str                 # "tensor" | "tuple"
+    output_spec: TreeSpec | None = None   # the model's output tree over the last stage's outputs
+
+    def model_output(self, flat_outputs: Sequence[Any]) -> Any:
+        """What the model's forward returns on one process, from the last stage's outputs (in
+        `model_outputs` order): a tensor, a tuple, a dict or a `ModelOutput`, as traced."""
+        if self.output_spec is None:      # a split made without its model's output tree
+            return flat_outputs[0] if self.output_structure == "tensor" else tuple(flat_outputs)
+        return tree_unflatten(list(flat_outputs), self.output_spec)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
@@ -118,13 +136,78 @@ class _StageBuilder:
 
     def finish(self, results: list[fx.Node]) -> None:
         self.graph.output(tuple(results))
+        clone_written_inputs(self.graph)
         self.graph.lint()
 
 
+def _bound_args(node: fx.Node) -> list[tuple[Any, Any]]:
+    """(schema argument, value) of an aten op's call; empty for anything else (Python functions)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(node.args):
+            out.append((arg, node.args[i]))
+        elif arg.name in node.kwargs:
+            out.append((arg, node.kwargs[arg.name]))
+    return out
+
+
+def _returns_view_of(user: fx.Node, value: fx.Node) -> bool:
+    """Whether `user`'s result shares `value`'s storage: an aten op that returns an alias of the argument
+    `value` is bound to (`view`, `t`, `split`, an in-place op), or an element of such a list."""
+    if user.op == "call_function" and user.target is operator.getitem:
+        return True
+    target = user.target
+    if not isinstance(target, torch._ops.OpOverload) or not any(r.alias_info for r in target._schema.returns):
+        return False
+    return any(arg.alias_info is not None and any(v is value for v in tree_leaves(bound))
+               for arg, bound in _bound_args(user))
+
+
+def _views_of(node: fx.Node) -> set[fx.Node]:
+    """`node` and every value of the graph that shares its storage, transitively."""
+    found, todo = {node}, [node]
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            if user not in found and _returns_view_of(user, value):
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """Whether an in-place op (schema `Tensor(a!)`) writes to `node`'s value or to a view of it."""
+    views = _views_of(node)
+    return any(arg.alias_info is not None and arg.alias_info.is_write and
+               any(v in views for v in tree_leaves(bound) if isinstance(v, fx.Node))
+               for user in {u for v in views for u in v.users} for arg, bound in _bound_args(user))
+
+
+def clone_written_inputs(graph: fx.Graph) -> list[str]:
+    """Give each placeholder of `graph` that an in-place op writes to a clone, read by all its users
+    instead; returns their names. Autograd refuses an in-place op on a leaf that requires grad (a
+    received activation), and a model input must stay unchanged for a recompute; copying every input
+    would cost a copy of each activation for nothing."""
+    cloned = []
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        if not written_in_place(node):
+            continue
+        last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last_placeholder):
+            copy = graph.call_function(torch.ops.aten.clone.default, (node,))
+        copy.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")}
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+        cloned.append(node.name)
+    return cloned
+
+
 def _output_nodes(out_args: fx.node.Argument) -> list[fx.Node]:
-    """The graph's outputs; each must be a value the graph computes (a stage sends it on)."""
+    """The graph's outputs, flattened; each must be a value the graph computes (a stage sends it on)."""
     nodes = []
-    for value in out_args if isinstance(out_args, (tuple, list)) else (out_args,):
+    for value in tree_leaves(out_args):
         if not isinstance(value, fx.Node):
             raise PassError(f"the model's forward returns {type(value).__name__}, not a computed tensor",
                             fix="return tensors computed from the inputs only")
@@ -188,4 +271,13 @@ def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
         stage_gm = fx.GraphModule(builder.root, builder.graph, class_name=f"Stage{k}")
         stages.append(StageGraph(k, stage_gm, builder.inputs, outputs, builder.params, model_outputs))
     structure = "tuple" if isinstance(out_args, (tuple, list)) and len(out_values) > 1 else "tensor"
-    return StageSplit(stages, values, model_inputs, structure)
+    return StageSplit(stages, values, model_inputs, structure, output_spec(gm))
+
+
+def output_spec(gm: fx.GraphModule) -> TreeSpec:
+    """The tree the model's output is built from the graph's flat outputs with: torch.export's output
+    spec (kept by the GraphModule's pytree code generation), or the output node's own structure."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:
+        return info.out_spec
+    return tree_flatten(gm.graph.output_node().args[0])[1]

@@ -1,7 +1,8 @@
 """`plan()`: the whole flow from a model file and a cluster spec to a Plan.
 
 frontend (trace on meta) -> annotate -> blocks -> cost tables -> search -> assemble -> verify -> verify the
-communication (passes.comm: every rank's stream proved free of deadlock, recorded in the plan's `comm`).
+communication (passes.comm: every rank's stream proved free of deadlock, recorded in the plan's `comm`) ->
+run each stage once on meta (passes.stage_check; what makes the run differ from one process: `warnings`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Blocks
-from passes.comm import trace_inputs, verify_comm
+from passes.comm import verify_comm
+from passes.comm.inputs import trace_splits, traced_inputs
+from passes.stage_check import check_batch_norm_rows, check_plan_stages, training_notes
 from passes.verify import verify_plan
 from planner import dumps, frontend, runners_up
 from planner.core.blocks import Block
@@ -31,6 +34,7 @@ from planner.core.cluster import ClusterSpec
 from planner.core.errors import HetplanError, PlanningError
 from planner.core.ir import Plan, PlanInputs
 from planner.frontend.cluster import load_cluster
+from planner.frontend.model_file import check_dataset
 from planner.frontend.onnx_model import OnnxModel, is_onnx_file, load_onnx_model
 from planner.options import PlanOptions, RunControls, check_options
 from planner.search import baselines, strategies
@@ -142,6 +146,8 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
 
     with timer.phase("trace_s"):
         gm, meta_inputs = _trace_on_meta(model_file, trace_batch)
+        if isinstance(model_file, frontend.ModelFile):
+            check_dataset(model_file, options.global_batch)   # dataset() holds one global batch
         passes = analyse(gm, meta_inputs, options.max_blocks, controls.dump_ir_dir)
     blocks: list[Block] = gm.meta[BLOCKS_KEY]
 
@@ -168,8 +174,11 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     verify_plan(result, spec)
     if isinstance(model_file, frontend.ModelFile):   # an .onnx graph is cost-only: no program communicates
         with timer.phase("comm_s"):
-            result = dataclasses.replace(result, comm=verify_comm(result, trace_inputs(result, model_file, gm,
-                                                                                       trace_batch)))
+            check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
+            splits = trace_splits(result, model_file, gm, trace_batch)
+            result = dataclasses.replace(result, comm=verify_comm(result, traced_inputs(result, splits, gm)))
+            check_plan_stages(splits, model_file)      # each stage's forward and backward once, on meta
+        result = dataclasses.replace(result, warnings=training_notes(result, gm))
     if options.runners_up:
         with timer.phase("runners_up_s"):
             others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)

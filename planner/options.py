@@ -18,7 +18,7 @@ from planner.search.strategies import STRATEGIES
 PRECISION_POLICIES = ("auto", "fp32", "bf16", "fp16")
 OBJECTIVES = ("time", "cost")
 OPTIMIZERS = ("adamw", "sgd")
-CONTRACT_NAMES = ("model", "batch", "loss_fn")
+CONTRACT_NAMES = ("model", "batch", "loss_fn", "dataset")
 MAX_GLOBAL_BATCH = 1 << 20            # samples per step; the search's integer variables stay small
 DEFAULT_TRACE_TIMEOUT_S = 300.0       # the model file's code (import, model(), batch(), tracing) may take this long
 

@@ -29,7 +29,8 @@ def run_plan_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProc
 
 
 def run_program(out: Path, steps: int, *, seed: int = 0, lr: float = 1e-3, timeout_s: float = 300,
-                save_final: bool = True, optimizer: str = "adamw", collective_timeout_s: float = 60) -> list[dict]:
+                save_final: bool = True, optimizer: str = "adamw", collective_timeout_s: float = 60,
+                extra: tuple[str, ...] = ()) -> list[dict]:
     """`plan run OUT` with a short collective timeout; returns the metrics lines of OUT/run."""
     # the program's workers import this checkout's packages whether or not it is installed
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
@@ -37,6 +38,7 @@ def run_program(out: Path, steps: int, *, seed: int = 0, lr: float = 1e-3, timeo
     cmd = [sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps), "--seed", str(seed),
            "--lr", str(lr), "--optimizer", optimizer, "--timeout", str(collective_timeout_s)]
     cmd += ["--save-final"] if save_final else []
+    cmd += list(extra)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO,
                           start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:] + run_logs_tail(out)

@@ -22,10 +22,14 @@ def _plan_2x2(tmp_path, model: str, global_batch: int, micro_batch: int):
     return out, plan
 
 
-def _check_against_reference(out, plan: Plan, model: str, optimizer: str = "adamw", lr: float = 1e-3) -> None:
+def _check_against_reference(out, plan: Plan, model: str, optimizer: str = "adamw", lr: float = 1e-3,
+                             accumulate: bool = True, param_rel: float = 1e-5) -> None:
+    """Losses and final parameters equal to one process at 1e-5; under AdamW the reference accumulates the
+    plan's micro-batches (reference.py says why), SGD shows no such amplification of float noise."""
     metrics = run_program(out, STEPS, seed=3, lr=lr, optimizer=optimizer)
     ref = train_reference(str(EXAMPLES / model / "model.py"), global_batch=plan.global_batch, steps=STEPS,
-                          seed=3, lr=lr, optimizer=optimizer)
+                          seed=3, lr=lr, optimizer=optimizer,
+                          accumulate=plan_micro_batches(plan) if accumulate else None)
     for step in range(STEPS):
         losses = {m["rank"]: m["loss"] for m in metrics if m["step"] == step}
         assert sorted(losses) == list(range(plan.world_size)), f"step {step}: ranks {sorted(losses)}"
@@ -38,11 +42,16 @@ def _check_against_reference(out, plan: Plan, model: str, optimizer: str = "adam
             # relative error of the whole tensor: AdamW divides by sqrt(v), so a single element
             # whose gradient is ~0 can move by float noise; the tensor as a whole must agree
             rel = float((value - ref.params[name]).norm() / ref.params[name].norm().clamp_min(1e-12))
-            assert rel <= 1e-5, f"rank {rank} {name}: relative error {rel:.2e}"
+            assert rel <= param_rel, f"rank {rank} {name}: relative error {rel:.2e}"
             seen.add(name)
     assert seen == set(ref.params) - _unused(plan, ref.params)
     for m in metrics:
         assert m["step_time_s"] > 0 and m["peak_memory_bytes"] > 0
+
+
+def plan_micro_batches(plan: Plan) -> list[int]:
+    """The plan's micro-batch sizes in row order: replicas in plan order, each its micro-batches."""
+    return [m for r in plan.replicas for m in r.micro_batch_sizes]
 
 
 def _unused(plan: Plan, params) -> set[str]:
@@ -75,7 +84,7 @@ def test_resnet_skip_across_stages_matches_single_process(tmp_path):
     # SGD here: convolution backward sums in a batch-size-dependent order, and AdamW's division by
     # sqrt(v) turns those 1e-7 differences on near-zero gradients into 1e-4 parameter differences
     # (single-process gradient accumulation shows the same); with SGD the check is 1e-5 tight.
-    _check_against_reference(out, plan, "resnet", optimizer="sgd", lr=0.05)
+    _check_against_reference(out, plan, "resnet", optimizer="sgd", lr=0.05, accumulate=False)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """A plan's stages as the emitted program builds them, with the values that flow through them.
 
-The model is built on CPU with real weights (`torch.manual_seed(seed); model()`), traced at one
+The model is built on CPU with the program's initial values (its init contract,
+backends/torchdist/program/materialise.py), traced at one
 micro-batch size on `batch(rows, 0)` and cut at the plan's stage boundaries by the same lowering pass the
 program uses (passes.split). The stages then run in order in torch, so each one has the inputs it reads
 (model inputs, values of earlier stages) and the outputs it computes: what the ONNX file of that stage
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from backends.torchdist.program import materialise
 from passes.split import StageGraph, StageSplit, split_stages
 from planner import frontend
 from planner.core.errors import ModelFileError, PassError, PlanFileError
@@ -69,21 +71,8 @@ def plan_stages(plan: Plan, model_file: frontend.ModelFile, *, plan_file: str, s
 
 
 def _build(model_file: frontend.ModelFile, seed: int) -> nn.Module:
-    """The model with exactly the values of `torch.manual_seed(seed); model()` in one process."""
-    file = str(model_file.path)
-    try:
-        with user_code(file, "model()", model_file.time_limit_s, field="model"):
-            torch.manual_seed(seed)
-            module = model_file.build()
-    except ModelFileError:
-        raise
-    except Exception as exc:   # the user's code: any failure is the model file's
-        raise ModelFileError(f"model() failed on CPU: {type(exc).__name__}: {str(exc)[:300]}", file=file,
-                             field="model", fix="make model() build on CPU with torch.nn layers") from exc
-    if not isinstance(module, nn.Module):
-        raise ModelFileError(f"model() returned {type(module).__name__}, not an nn.Module", file=file,
-                             field="model", fix="return an nn.Module")
-    return module
+    """The whole model with the values one process trains from (the program's init contract)."""
+    return materialise.full_model(model_file, seed)
 
 
 def _trace(model: nn.Module, model_file: frontend.ModelFile, rows: int) -> tuple[Any, tuple[torch.Tensor, ...]]:

@@ -11,7 +11,9 @@ from planner.core.cluster import ClusterSpec
 from planner.core.ir import Plan
 
 
-def summary(plan: Plan, width: int | None = TERMINAL) -> str:
+def summary(plan: Plan, width: int | None = TERMINAL, warnings: bool = True) -> str:
+    """The plan's head lines, stages and gradient groups, then its warnings (`warnings=False`: shown elsewhere,
+    as `plan` prints them on stderr)."""
     e, s = plan.estimates, plan.solver
     devices_used = plan.world_size
     head = [
@@ -41,7 +43,13 @@ def summary(plan: Plan, width: int | None = TERMINAL) -> str:
     more = f"\n... {len(plan.grad_groups) - 12} more gradient groups" if len(plan.grad_groups) > 12 else ""
     grads = table(["group", "ranks", "params", "MiB", "compressor", "est"], groups, width) + more if groups else \
         "no gradient synchronisation (one replica)"
-    return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n"
+    tail = "\n" + warnings_section(plan) if warnings and plan.warnings else ""
+    return "\n".join(head) + "\n\n" + stages + "\n\n" + grads + "\n" + tail
+
+
+def warnings_section(plan: Plan) -> str:
+    """Why a run of the plan will not equal training on one process, one line per cause."""
+    return "warnings:\n" + "".join(f"  {printable(w)}\n" for w in plan.warnings)
 
 
 def runners_up_section(plan: Plan, width: int | None = TERMINAL) -> str:

@@ -17,6 +17,10 @@ only, stopped whole by a signal, and one line when a rank dies.
 - Nothing is lost. An earlier `<out>/run` moves to `<out>/runs/<n>` first (keep_previous_run).
 - Start-up shows. On a terminal a status line follows torchrun, then its workers, until the first step's
   metrics are written (backends.report.progress; nothing at all when stderr is not a terminal).
+- Training shows. Each step that every rank has logged is one plain line (step, loss, the slowest rank's
+  step time, samples per second), at most one per PRINT_EVERY_S when steps are faster; at the end each
+  rank's measured peak memory beside the plan's estimate, and where the metrics and the logs are
+  (StepReport: plain lines, fine in a pipe and a log).
 """
 
 from __future__ import annotations
@@ -30,25 +34,31 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any, TextIO
 
 import torch.distributed as dist
 
 from backends.report.progress import Progress
 from planner.core.ir import Plan
 
-from .program.metrics import METRICS_FILE, read_metrics
+from .program.memory import EMULATE_ENV
+from .program.metrics import METRICS_FILE, MetricsFollower, read_metrics
 from .program.placement import printable
 from .program.process_group import STORE_ENV
 
 GRACE_S = 5.0                 # after a forwarded signal, torchrun's time to stop its workers
 POLL_S = 0.2
+PRINT_EVERY_S = 2.0           # steps faster than this print one line per this many seconds (and the last)
+MEMORY_LISTED_RANKS = 8       # the end's memory line names every rank up to this many, else the fullest
+MIB_BYTES = 1 << 20
 LOG_DIR = "logs"
 LAUNCHER_LOG = "launcher.log"
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:(?P<body>.*?)(?:\n=|\Z)", re.S)
+FAILURE = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+).*?^\s*exitcode\s*:\s*(?P<code>-?\d+)", re.M | re.S)
 HETPLAN_ROOT = Path(__file__).resolve().parents[2]   # the folder holding planner/, backends/, ...
 
 
@@ -100,10 +110,16 @@ def torchrun_command(program_dir: Path, world_size: int, store_port: int, run_id
             str(program_dir / "train.py"), *train_args]
 
 
-def run_environment(store_port: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment torchrun and the workers run in (loopback, one thread each, hetplan importable)."""
+def run_environment(store_port: int, base: dict[str, str] | None = None, *,
+                    emulate_memory: bool = False) -> dict[str, str]:
+    """The environment torchrun and the workers run in (loopback, one thread each, hetplan importable;
+    with `emulate_memory`, CPU ranks held to their device's memory: program/memory.py)."""
     env = dict(os.environ if base is None else base)
     env[STORE_ENV] = f"127.0.0.1:{store_port}"
+    if emulate_memory:
+        env[EMULATE_ENV] = "1"
+    else:
+        env.pop(EMULATE_ENV, None)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"   # no second store server of torchrun's own
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -113,24 +129,30 @@ def run_environment(store_port: int, base: dict[str, str] | None = None) -> dict
 
 
 def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[str], *,
-                timeout_s: float, progress: Progress | None = None) -> RunOutcome:
+                timeout_s: float, progress: Progress | None = None, emulate_memory: bool = False,
+                report: TextIO | None = None, steps: int | None = None) -> RunOutcome:
     """Run the program of `plan` for `train_args` with its output in `run_dir` (which must not exist);
-    `progress` shows the start-up until the first step (closed then)."""
+    `progress` shows the start-up until the first step (closed then); `report` gets a line per step
+    (StepReport; `steps`: how many the run makes) and the run's memory, metrics and logs at its end."""
     log_dir = run_dir / LOG_DIR
     log_dir.mkdir(parents=True)
     run_id = f"hetplan-{uuid.uuid4().hex[:12]}"
     store = LoopbackStore(timeout_s)
     received: list[int] = []
+    steps_report = StepReport(plan, run_dir, report, steps) if report is not None else None
     try:
         with open(log_dir / LAUNCHER_LOG, "wb") as launcher_log:
             proc = subprocess.Popen(
                 torchrun_command(program_dir, plan.world_size, store.port, run_id, log_dir,
                                  [*train_args, "--out", str(run_dir), "--timeout", str(timeout_s)]),
                 stdout=None, stderr=launcher_log, stdin=subprocess.DEVNULL, start_new_session=True,
-                env=run_environment(store.port))
-            returncode = _wait(proc, received, _start_up(progress, plan.world_size, run_dir))
+                env=run_environment(store.port, emulate_memory=emulate_memory))
+            polls = (_start_up(progress, plan.world_size, run_dir), steps_report.poll if steps_report else None)
+            returncode = _wait(proc, received, [poll for poll in polls if poll is not None])
     finally:
         store.close()
+    if steps_report is not None:
+        steps_report.finish(log_dir)
     if received:
         name = signal.Signals(received[0]).name
         return RunOutcome(128 + received[0], f"plan run: stopped by {name}: torchrun and its workers were "
@@ -138,6 +160,100 @@ def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[s
     if returncode == 0:
         return RunOutcome(0, None)
     return RunOutcome(1, failure_line(plan, run_dir, returncode))
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """One step every rank has logged."""
+
+    step: int                 # as in metrics.jsonl (from 0)
+    loss: float
+    step_time_s: float        # the slowest rank's
+    samples_s: float          # the global batch over that time
+
+
+class StepReport:
+    """`plan run`'s plain lines on `stream`: a step once every rank logged it (read from metrics.jsonl as
+    the ranks append to it), at most one line per `every_s` (the newest step then; the run's last step
+    always), and at the end each rank's peak memory beside the plan's estimate and where the metrics
+    and the logs are."""
+
+    def __init__(self, plan: Plan, run_dir: Path, stream: TextIO, steps: int | None = None,
+                 every_s: float = PRINT_EVERY_S) -> None:
+        self.plan, self.stream, self.steps, self.every_s = plan, stream, steps, every_s
+        self.metrics_path = run_dir / METRICS_FILE
+        self._follower = MetricsFollower(self.metrics_path)
+        self._logged: dict[int, list[dict[str, Any]]] = {}     # step -> the records of it so far
+        self._newest: StepLine | None = None
+        self._printed_step = -1
+        self._printed_at_s = -float("inf")
+        self._peak_bytes: dict[int, int] = {}                  # rank -> its highest measured peak
+
+    def poll(self) -> None:
+        """Take the lines added since the last poll; print the newest complete step when one is due."""
+        for record in self._follower.new_records():
+            step, rank = record.get("step"), record.get("rank")
+            if not isinstance(step, int) or not isinstance(rank, int):
+                continue
+            self._note_memory(rank, record)
+            records = self._logged.setdefault(step, [])
+            records.append(record)
+            if len(records) == self.plan.world_size:
+                del self._logged[step]
+                if self._newest is None or step > self._newest.step:
+                    self._newest = self._step_line(step, records)
+        last = self.steps is not None and self._newest is not None and self._newest.step == self.steps - 1
+        if last or time.monotonic() - self._printed_at_s >= self.every_s:
+            self._print_newest()
+
+    def finish(self, log_dir: Path) -> None:
+        """The lines of a run that ended: its last step, the memory per rank, the metrics and the logs."""
+        self.poll()
+        self._print_newest()
+        if self._peak_bytes:
+            self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}")
+        done = f"{self._printed_step + 1} step(s); " if self._printed_step >= 0 else "no step completed; "
+        self._write(f"plan run: {done}metrics: {self.metrics_path}; logs: {log_dir}")
+
+    def memory_summary(self) -> str:
+        """`rank 0 398/459 MiB, rank 1 ...`: every rank's peak beside its estimate (the fullest only,
+        by peak over estimate, when more than MEMORY_LISTED_RANKS ranks logged)."""
+        ranks = sorted(self._peak_bytes)
+        if len(ranks) > MEMORY_LISTED_RANKS:
+            fullest = max(ranks, key=lambda r: self._peak_bytes[r] / max(self.plan.estimates.memory_bytes[r], 1.0))
+            return f"{self._rank_memory(fullest)} (the fullest of {len(ranks)} ranks)"
+        return ", ".join(self._rank_memory(r) for r in ranks)
+
+    def _rank_memory(self, rank: int) -> str:
+        return (f"rank {rank} {self._peak_bytes[rank] / MIB_BYTES:,.0f}/"
+                f"{self.plan.estimates.memory_bytes[rank] / MIB_BYTES:,.0f} MiB")
+
+    def _note_memory(self, rank: int, record: dict[str, Any]) -> None:
+        peak = record.get("peak_reserved_bytes") or record.get("peak_memory_bytes")
+        if isinstance(peak, (int, float)) and rank < self.plan.world_size:
+            self._peak_bytes[rank] = max(self._peak_bytes.get(rank, 0), int(peak))
+
+    def _step_line(self, step: int, records: list[dict[str, Any]]) -> StepLine:
+        times_s = [float(r["step_time_s"]) for r in records if isinstance(r.get("step_time_s"), (int, float))]
+        step_time_s = max(times_s, default=0.0)
+        loss = next((float(r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))), float("nan"))
+        samples_s = self.plan.global_batch / step_time_s if step_time_s > 0 else float("inf")
+        return StepLine(step, loss, step_time_s, samples_s)
+
+    def _print_newest(self) -> None:
+        line = self._newest
+        if line is None or line.step <= self._printed_step:
+            return
+        count = f" ({line.step + 1}/{self.steps})" if self.steps else ""
+        self._write(f"step {line.step}{count}: loss {line.loss:.4f}, {line.step_time_s:.3f} s/step, "
+                    f"{line.samples_s:,.1f} samples/s")
+        self._printed_step, self._printed_at_s = line.step, time.monotonic()
+
+    def _write(self, text: str) -> None:
+        try:
+            print(text, file=self.stream, flush=True)
+        except (OSError, ValueError):    # the reader went away (a closed pipe): the run goes on silently
+            pass
 
 
 class _Forwarder:
@@ -179,9 +295,9 @@ def _start_up(progress: Progress | None, world_size: int, run_dir: Path) -> Call
     return poll
 
 
-def _wait(proc: subprocess.Popen, received: list[int], on_poll: Callable[[], None] | None = None) -> int:
+def _wait(proc: subprocess.Popen, received: list[int], polls: Sequence[Callable[[], None]] = ()) -> int:
     """Wait for torchrun, passing SIGTERM / SIGINT on; kill it GRACE_S after the first one. The signals
-    received are appended to `received`; `on_poll` is called between polls."""
+    received are appended to `received`; each of `polls` is called between polls, in order."""
     forwarder = _Forwarder(proc.pid)
     previous = {s: signal.signal(s, forwarder) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -190,8 +306,8 @@ def _wait(proc: subprocess.Popen, received: list[int], on_poll: Callable[[], Non
                 return proc.wait(timeout=POLL_S)
             except subprocess.TimeoutExpired:
                 pass
-            if on_poll is not None:
-                on_poll()
+            for poll in polls:
+                poll()
             if forwarder.received and time.monotonic() - forwarder.first_at_s > GRACE_S:
                 forwarder.kill(signal.SIGKILL)
     finally:
@@ -201,19 +317,17 @@ def _wait(proc: subprocess.Popen, received: list[int], on_poll: Callable[[], Non
 
 
 def failure_line(plan: Plan, run_dir: Path, returncode: int) -> str:
-    """One line for a failed run: the rank torchrun saw fail first, or torchrun's own end."""
+    """One line for a failed run: the rank that failed first (`first_failure`), or torchrun's own end."""
     log_dir = run_dir / LOG_DIR
     if returncode < 0:
         name = signal.Signals(-returncode).name
         return (f"plan run: the torchrun agent was killed by {name}; its workers stopped with it "
                 f"(logs: {log_dir})")
     launcher = (log_dir / LAUNCHER_LOG).read_text(errors="replace") if (log_dir / LAUNCHER_LOG).exists() else ""
-    found = ROOT_CAUSE.search(launcher)
-    rank_match = re.search(r"rank\s*:\s*(\d+)", found.group("body")) if found else None
-    code_match = re.search(r"exitcode\s*:\s*(-?\d+)", found.group("body")) if found else None
-    if not rank_match or not code_match or int(rank_match.group(1)) >= plan.world_size:
+    first = first_failure(launcher, log_dir, plan.world_size)
+    if first is None:
         return f"plan run: torchrun exited with code {returncode} (logs: {log_dir}/{LAUNCHER_LOG})"
-    rank, code = int(rank_match.group(1)), int(code_match.group(1))
+    rank, code = first
     replica, stage = plan.stage_of_rank(rank)
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     steps = [m["step"] for m in _metrics(run_dir) if m.get("rank") == rank]
@@ -224,6 +338,36 @@ def failure_line(plan: Plan, run_dir: Path, returncode: int) -> str:
             f"{printable(stage.device_label)}, {printable(stage.device_type)}) {how} {when}"
             f"{': ' + said if said and code > 0 else ''}; the other ranks were stopped "
             f"(logs: {stderr_log or log_dir})")
+
+
+def first_failure(launcher: str, log_dir: Path, world_size: int) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank whose failure came first, from torchrun's failure report in
+    `launcher` (its log), or None when it has none.
+
+    torchrun's "first observed failure" is the earliest by whole seconds, so a peer that failed in the same
+    second because of it (a receive that found the connection closed) may be named instead. So: of the
+    ranks the report lists, not those ended by SIGTERM (how torchrun stops the others), the one whose own
+    log was written last the earliest: the rank that failed first wrote its last line (an error, or
+    nothing more once killed) before any peer could see it gone."""
+    found = ROOT_CAUSE.search(launcher)
+    root = FAILURE.search(found.group("body")) if found else None
+    if found is None or root is None:
+        return None
+    report = launcher[launcher.rfind("Failures:"):] if "Failures:" in launcher else found.group(0)
+    failures = {int(m["rank"]): int(m["code"]) for m in FAILURE.finditer(report)}
+    failures[int(root["rank"])] = int(root["code"])
+    failures = {rank: code for rank, code in failures.items() if rank < world_size}
+    if not failures:
+        return None
+    own = {rank: code for rank, code in failures.items() if code != -signal.SIGTERM}
+    if not own:
+        return int(root["rank"]), int(root["code"])
+
+    def last_written_ns(rank: int) -> int:
+        log = _rank_log(log_dir, rank)
+        return log.stat().st_mtime_ns if log is not None else 0
+    rank = min(own, key=lambda r: (last_written_ns(r), r))
+    return rank, own[rank]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -237,7 +381,7 @@ def _rank_log(log_dir: Path, rank: int) -> Path | None:
     return found[-1] if found else None
 
 
-def _last_line(path: Path, most_chars: int = 300) -> str:
+def _last_line(path: Path, most_chars: int = 600) -> str:
     """The last line a rank wrote to its log, without torchrun's `[rankN]:` prefix."""
     lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in path.read_text(errors="replace").splitlines()]
     lines = [ln for ln in lines if ln]

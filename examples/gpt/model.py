@@ -11,8 +11,10 @@ learn to infer ``a, b`` from the context and the loss falls well below ``ln(voca
 
 Example-model contract (read by the planner; no hetplan imports here):
 
-- ``model(**sizes) -> nn.Module``, built under ``torch.device("meta")`` by the planner;
-  ``torch.manual_seed(s); model()`` on CPU gives the same weights every time.
+- ``model(**sizes) -> nn.Module``, built on meta by the planner and by the program, which then
+  gives each rank's tensors their values module by module (README, "Initial values");
+- ``init_weights(module)``: GPT-2's initialisation of one module (the program calls it for every
+  module holding parameters, after torch's own ``reset_parameters``).
 - ``batch(batch_size, step) -> ((input_ids,), target)``: deterministic, row ``r`` of
   step ``k`` depends only on ``(k, r)``.
 - ``loss_fn(output, target)``: mean over rows (and tokens; every row has ``SEQ_LEN``).
@@ -99,20 +101,10 @@ class GPT(nn.Module):
         self.position_embedding = nn.Embedding(max_seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio) for _ in range(n_layers))
         self.ln_final = nn.LayerNorm(d_model)
-        self._init_weights(n_layers)
-
-    def _init_weights(self, n_layers: int) -> None:
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=INIT_STD)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        # GPT-2: scale the projections that write into the residual stream by depth.
-        for block in self.modules():
-            if not isinstance(block, Block):
-                continue
+        # GPT-2: the projections that write into the residual stream start smaller, by depth
+        for block in self.blocks:
             for residual_out in (block.attn.proj, block.mlp.fc_out):
-                nn.init.normal_(residual_out.weight, std=INIT_STD / math.sqrt(2 * n_layers))
+                residual_out.init_std = INIT_STD / math.sqrt(2 * n_layers)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -126,6 +118,15 @@ class GPT(nn.Module):
 def model(**sizes: int) -> nn.Module:
     """The GPT decoder; keyword arguments override the module-level sizes."""
     return GPT(**sizes)
+
+
+def init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: linear and embedding weights N(0, 0.02) (residual projections smaller),
+    biases zero; LayerNorms keep torch's ones and zeros."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=getattr(module, "init_std", INIT_STD))
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def _row(step: int, row: int, seq_len: int, vocab_size: int) -> Tensor:

@@ -10,16 +10,16 @@ traces this model on meta tensors with ``attn_implementation="sdpa"`` and
 mask checks are data-dependent, the traced graph builds the causal mask explicitly
 (a ``batch x 1 x seq x seq`` bool tensor from ``position_ids``) instead of relying on
 ``is_causal``, and it hard-codes the tracing device in ``arange``/``to`` calls. The
-rotary ``inv_freq`` buffers are non-persistent and computed in ``__init__``: a model
-built on meta and later materialised (``to_empty``) must recompute them.
+rotary ``inv_freq`` buffers are non-persistent and computed in ``__init__``: the program,
+which builds the model with its parameters on meta, keeps buffers as the constructor made them.
 
 Task: the same affine recurrence as ``examples/gpt`` (``x[t+1] = (a*x[t] + b) % vocab``
 with per-row ``a, b``), so the loss falls when trained.
 
 Example-model contract (read by the planner; no hetplan imports here):
 
-- ``model(**config) -> nn.Module``, built under ``torch.device("meta")`` by the planner;
-  ``torch.manual_seed(s); model()`` on CPU gives the same weights every time.
+- ``model(**config) -> nn.Module``, built on meta by the planner and the program; its initial
+  values follow the program's init contract (README, "Initial values"): here the Hugging Face model's ``_init_weights``.
 - ``batch(batch_size, step) -> ((input_ids,), target)``: deterministic, row ``r`` of
   step ``k`` depends only on ``(k, r)``.
 - ``loss_fn(output, target)``: next-token cross-entropy, mean over all tokens.

@@ -7,8 +7,8 @@ labels are a deterministic, learnable function of the input.
 
 Example-model contract (read by the planner; no hetplan imports here):
 
-- ``model(**sizes) -> nn.Module``, built under ``torch.device("meta")`` by the planner;
-  ``torch.manual_seed(s); model()`` on CPU gives the same weights every time.
+- ``model(**sizes) -> nn.Module``, built on meta by the planner and the program; its initial
+  values follow the program's init contract (README, "Initial values"): here torch's own ``reset_parameters``.
 - ``batch(batch_size, step) -> ((x,), labels)``: deterministic, row ``r`` of step ``k``
   depends only on ``(k, r)``.
 - ``loss_fn(output, target)``: cross-entropy, mean over rows.

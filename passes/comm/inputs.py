@@ -2,9 +2,10 @@
 its micro-batch sizes (which values cross which boundary, in which order, of which shape) and the
 gradient groups' parameters (element counts and dtypes: the all-reduce and bucket sizes).
 
-The planner takes them from traces of the model on meta tensors (`trace_inputs`), the program from its
-own split of the real model (backends/torchdist/program/comm_check.py), and a plan's `comm` record keeps
-the planner's (`to_record` / `from_record`), so that either side derives its streams with one function.
+The planner takes them from traces of the model on meta tensors (`trace_splits`, then `traced_inputs`;
+`trace_inputs` does both), the program from its own split of the real model
+(backends/torchdist/program/comm_check.py), and a plan's `comm` record keeps the planner's (`to_record` /
+`from_record`), so that either side derives its streams with one function.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def param_table(named: Iterable[tuple[str, Any]]) -> dict[str, tuple[int, str]]:
 
 
 def model_params(model: nn.Module) -> dict[str, tuple[int, str]]:
-    return param_table(model.named_parameters())
+    """Every parameter under every name it has (a tied weight under each: the graph may read either)."""
+    return param_table(model.named_parameters(remove_duplicate=False))
 
 
 def graph_params(gm: fx.GraphModule) -> dict[str, tuple[int, str]]:
@@ -90,24 +92,40 @@ def cut_points(plan: Plan) -> dict[tuple[str, ...], list[int]]:
     return cuts
 
 
-def split_inputs(plan: Plan, graph_at: Any, params: Mapping[str, tuple[int, str]]) -> StreamInputs:
-    """StreamInputs of every replica at each of its micro-batch sizes; `graph_at(rows)` gives the model
-    traced at that size (called once per size)."""
+def stage_splits(plan: Plan, graph_at: Any) -> dict[tuple[int, int], StageSplit]:
+    """Every replica's StageSplit at each of its micro-batch sizes, by (replica, rows); `graph_at(rows)`
+    gives the model traced at that size (called once per size). Replicas cut alike share one split."""
     cuts = cut_points(plan)
-    splits: dict[tuple[int, int], SplitView] = {}
+    splits: dict[tuple[int, int], StageSplit] = {}
     for rows in sorted({m for r in plan.replicas for m in r.micro_batch_sizes}):
         gm = graph_at(rows)
         for last_nodes, replicas in cuts.items():
             users = [i for i in replicas if rows in plan.replicas[i].micro_batch_sizes]
             if users:
-                view = SplitView.of(split_stages(gm, list(last_nodes)))
-                splits.update({(i, rows): view for i in users})
-    return StreamInputs(splits, dict(params))
+                split = split_stages(gm, list(last_nodes))
+                splits.update({(i, rows): split for i in users})
+    return splits
 
 
-def trace_inputs(plan: Plan, model_file: frontend.ModelFile, gm: fx.GraphModule, trace_batch: int) -> StreamInputs:
-    """The planner's StreamInputs: the model traced on meta at each micro-batch size (`gm` is its trace at
-    `trace_batch`), split like each replica. Only the gradient groups' parameters are kept."""
+def views_of(splits: Mapping[tuple[int, int], StageSplit], params: Mapping[str, tuple[int, str]]) -> StreamInputs:
+    """StreamInputs of stage splits by (replica, rows): one view per distinct split."""
+    views: dict[int, SplitView] = {}
+    for split in splits.values():
+        views.setdefault(id(split), SplitView.of(split))
+    return StreamInputs({key: views[id(split)] for key, split in splits.items()}, dict(params))
+
+
+def split_inputs(plan: Plan, graph_at: Any, params: Mapping[str, tuple[int, str]]) -> StreamInputs:
+    """StreamInputs of every replica at each of its micro-batch sizes; `graph_at(rows)` gives the model
+    traced at that size (called once per size)."""
+    return views_of(stage_splits(plan, graph_at), params)
+
+
+def trace_splits(plan: Plan, model_file: frontend.ModelFile, gm: fx.GraphModule,
+                 trace_batch: int) -> dict[tuple[int, int], StageSplit]:
+    """The planner's stage splits: the model traced on meta at each micro-batch size of the plan (`gm` is
+    its trace at `trace_batch`), split like each replica, by (replica, rows). The communication is derived
+    from them (`traced_inputs`), and each of their stages is run once (passes.stage_check)."""
     traced = {trace_batch: gm}
 
     def graph_at(rows: int) -> fx.GraphModule:
@@ -115,9 +133,20 @@ def trace_inputs(plan: Plan, model_file: frontend.ModelFile, gm: fx.GraphModule,
             traced[rows] = frontend.trace_model(model_file, rows)[0]
         return traced[rows]
 
+    return stage_splits(plan, graph_at)
+
+
+def traced_inputs(plan: Plan, splits: Mapping[tuple[int, int], StageSplit], gm: fx.GraphModule) -> StreamInputs:
+    """The planner's StreamInputs from its stage splits (`trace_splits`); of the parameters of `gm` only
+    the gradient groups' are kept."""
     grouped = {p for g in plan.grad_groups for p in g.params}
-    params = {k: v for k, v in graph_params(gm).items() if k in grouped}
-    return split_inputs(plan, graph_at, params)
+    return views_of(splits, {k: v for k, v in graph_params(gm).items() if k in grouped})
+
+
+def trace_inputs(plan: Plan, model_file: frontend.ModelFile, gm: fx.GraphModule, trace_batch: int) -> StreamInputs:
+    """The planner's StreamInputs: the model traced on meta at each micro-batch size (`gm` is its trace at
+    `trace_batch`), split like each replica. Only the gradient groups' parameters are kept."""
+    return traced_inputs(plan, trace_splits(plan, model_file, gm, trace_batch), gm)
 
 
 def to_record(plan: Plan, inputs: StreamInputs, digests: tuple[str, ...]) -> CommRecord:

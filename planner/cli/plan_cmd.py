@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.cli.args import OneLineParser, positive_number
 from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
 from planner.core import schedule
-from planner.core.errors import HetplanError
+from planner.core.errors import HetplanError, printable
 from planner.core.ir import ProgramDefaults
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-fn", default="model")
     p.add_argument("--batch-fn", default="batch")
     p.add_argument("--loss-fn", default="loss_fn")
+    p.add_argument("--dataset-fn", default="dataset")
     p.add_argument("--dump-ir", default=None, metavar="DIR",
                    help="write the graph after each pass (001_meta_shapes.txt, ...), the costed problem the "
                         "search reads (costed_problem.json) and its candidate configurations to DIR "
@@ -97,7 +99,7 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
     from planner.api import PlanOptions, RunControls, plan
     from planner.frontend.onnx_model import is_onnx_file
 
-    names = {"model": args.model_fn, "batch": args.batch_fn, "loss_fn": args.loss_fn}
+    names = {"model": args.model_fn, "batch": args.batch_fn, "loss_fn": args.loss_fn, "dataset": args.dataset_fn}
     options = PlanOptions(global_batch=args.global_batch, strategy=args.strategy, precision=args.precision,
                           stages=args.stages, memory_margin=args.memory_margin, schedule=args.schedule,
                           time_limit_s=args.time_limit, use_all_devices=args.use_all_devices,
@@ -116,8 +118,8 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
         learning_rate=args.lr, optimizer=args.optimizer, functions=tuple(sorted(options.names.items()))))
     tail = "\n" + _timings_text(result.timings_s, result.pass_timings_s)
     tail += f"\n{COST_ONLY_NOTE}\n" if cost_only else ""
-    text = summary(planned, width=None) + tail     # summary.txt: every table whole
-    shown = summary(planned) + tail                # the terminal: tables fit its width
+    text = summary(planned, width=None) + tail     # summary.txt: every table whole, and the warnings
+    shown = summary(planned, warnings=False) + tail   # the terminal: tables fit its width; warnings on stderr
 
     def fill(tmp: Path) -> None:
         planned.save(tmp / "plan.json")
@@ -129,6 +131,8 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
     progress.phase("write")
     write_atomically(Path(args.out), fill, inputs=inputs, force=args.force)
     progress.close()     # the status line is gone before the summary prints
+    for warning in planned.warnings:
+        print(f"plan: warning: {printable(warning)}", file=sys.stderr)
     if cost_only:
         print(shown + f"\nwrote {args.out}/plan.json and {args.out}/summary.txt")
         return 0

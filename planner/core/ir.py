@@ -252,6 +252,9 @@ class Plan:
     # planner.api: the streams passes.comm verified. A record of the decisions, not one of them: plans that
     # decide the same are equal with it or without it (an assembled plan equals the one `plan()` verified)
     comm: CommRecord | None = field(default=None, metadata=OPTIONAL, compare=False)
+    # planner.api: why a run of this plan will not equal training on one process though it runs (BatchNorm
+    # statistics per micro-batch, dropout masks per rank: passes.stage_check.training_notes), one line each
+    warnings: tuple[str, ...] = field(default=(), metadata=OPTIONAL, compare=False)
 
     def stage_of_rank(self, rank: int) -> tuple[ReplicaPlan, StagePlan]:
         for replica in self.replicas:

@@ -1,10 +1,15 @@
 """Load a user's model file and check its contract.
 
 The model file contract (see README): `model() -> nn.Module`, `batch(batch_size, step) ->
-(inputs, target)`, optional `loss_fn(output, target)`. Planning checks it where it can before the
-search: the model has trainable parameters, `batch(B, k)` returns B rows (at two sizes, so a
-`batch()` that ignores B is caught), `loss_fn` returns a scalar on the traced output. The file's
-code runs under planner.frontend.user_code (a time limit; its exits reported as its errors).
+(inputs, target)`, optional `loss_fn(output, target)`, optional `dataset()`: a map-style dataset
+(`__len__`, `__getitem__`) whose sample i is one row `(inputs..., target)`, each tensor without the
+batch dimension; where it is defined the program trains on its rows (backends/torchdist/program/data.py)
+and batch() only stands for them in planning. Planning checks it where it can before the search: the
+model has trainable parameters, `batch(B, k)` returns B rows (at two sizes, so a `batch()` that
+ignores B is caught), the dataset's rows stacked have batch()'s dtypes and shapes (so the trace on
+batch() is the trace of the real rows), it holds at least one global batch (`check_dataset`),
+`loss_fn` returns a scalar on the traced output. The file's code runs under planner.frontend.user_code
+(a time limit; its exits reported as its errors).
 """
 
 from __future__ import annotations
@@ -20,16 +25,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.data import default_collate
 
 from planner.core.errors import ModelFileError
 from planner.frontend.user_code import user_code
 
-DEFAULT_NAMES = {"model": "model", "batch": "batch", "loss_fn": "loss_fn"}
+DEFAULT_NAMES = {"model": "model", "batch": "batch", "loss_fn": "loss_fn", "dataset": "dataset"}
+DATASET_CHECK_ROWS = 2     # samples of dataset() stacked and compared with batch() at planning
 
 
 @dataclass
 class ModelFile:
-    """A loaded model file: its module and the three contract functions."""
+    """A loaded model file: its module and the contract functions (`dataset`: None where not defined)."""
 
     path: Path
     module: ModuleType
@@ -38,6 +45,7 @@ class ModelFile:
     loss_fn: Callable[[Any, Any], torch.Tensor]
     digest: str
     time_limit_s: float | None = None     # for each call into the file's code (None: no limit)
+    dataset: Callable[[], Any] | None = None   # map-style dataset of rows (inputs..., target); None: batch()
 
 
 def default_loss(output: Any, target: Any) -> torch.Tensor:
@@ -92,8 +100,22 @@ def load_model_file(path: str | Path, names: dict[str, str] | None = None,
     if loss_fn is not None and not callable(loss_fn):
         raise ModelFileError(f"`{names['loss_fn']}` is a {type(loss_fn).__name__}, not a function", file=str(path),
                              field=names["loss_fn"], fix="define `def loss_fn(output, target)` returning a scalar")
+    dataset = _dataset_function(module, names["dataset"], str(path))
     digest = hashlib.sha256(p.read_bytes()).hexdigest()
-    return ModelFile(p, module, build, batch, loss_fn or default_loss, digest, time_limit_s)
+    return ModelFile(p, module, build, batch, loss_fn or default_loss, digest, time_limit_s, dataset)
+
+
+def _dataset_function(module: ModuleType, name: str, file: str) -> Callable[[], Any] | None:
+    """The file's optional `dataset()`: None when absent under its default name; an error when it was asked
+    for under another name and is absent, or when the name holds something that is not a function."""
+    value = getattr(module, name, None)
+    if value is None and name != DEFAULT_NAMES["dataset"]:
+        raise ModelFileError(f"no function `{name}()`", file=file, field=name,
+                             fix="define it, or leave out --dataset-fn to train on batch()")
+    if value is not None and not callable(value):
+        raise ModelFileError(f"`{name}` is a {type(value).__name__}, not a function", file=file, field=name,
+                             fix="define `def dataset()` returning a map-style torch.utils.data.Dataset")
+    return value
 
 
 def example_batch(model_file: ModelFile, batch_size: int) -> tuple[tuple[Any, ...], Any]:
@@ -178,8 +200,10 @@ def _rows_signature(value: Any, batch_size: int, what: str,
 def check_batch_rows(model_file: ModelFile, batch_size: int, inputs: tuple[Any, ...], target: Any) -> None:
     """`batch(B, k)` returns B rows: check the traced batch (`inputs`, `target` of `batch_size` rows) and
     one of another size, which must hold the same tensors with the same types (a batch() that ignores
-    its batch_size would train every replica on the wrong rows)."""
+    its batch_size would train every replica on the wrong rows). Where the file defines dataset(), its
+    first rows stacked must be the same tensors as batch()'s: the trace on batch() stands for them."""
     other = batch_size + 1
+    traced: tuple[list[tuple[torch.dtype, tuple[int, ...]]], ...]
     try:
         traced = (_rows_signature(inputs, batch_size, "the inputs"),
                   _rows_signature(target, batch_size, "the target", required=False))
@@ -194,6 +218,102 @@ def check_batch_rows(model_file: ModelFile, batch_size: int, inputs: tuple[Any, 
         raise ModelFileError(f"batch({batch_size}, 0) returned {describe((inputs, target))} but batch({other}, 0) "
                              f"returned {describe((more_inputs, more_target))}", file=str(model_file.path),
                              field="batch", fix="return the same tensors for every batch_size, only more rows")
+    if model_file.dataset is not None:
+        _check_dataset_rows(model_file, batch_size, (inputs, target), traced)
+
+
+def _dataset_name(model_file: ModelFile) -> str:
+    return getattr(model_file.dataset, "__name__", DEFAULT_NAMES["dataset"])
+
+
+def load_dataset(model_file: ModelFile) -> Any:
+    """Call the file's dataset() and check it is a map-style dataset (`__len__`, `__getitem__`); returns it.
+    Raises ModelFileError (also when the file defines no dataset())."""
+    name, file = _dataset_name(model_file), str(model_file.path)
+    fix = "return a map-style torch.utils.data.Dataset (__len__ and __getitem__) of (inputs..., target) rows"
+    if model_file.dataset is None:
+        raise ModelFileError("the model file defines no dataset()", file=file, field=name, fix=fix)
+    try:
+        with user_code(file, f"{name}()", model_file.time_limit_s, field=name):
+            data = model_file.dataset()
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(f"{name}() failed: {type(exc).__name__}: {str(exc)[:300]}", file=file, field=name,
+                             fix="make dataset() return without error (its data file readable and valid)") from exc
+    if not all(callable(getattr(type(data), method, None)) for method in ("__len__", "__getitem__")):
+        raise ModelFileError(f"{name}() returned a {type(data).__name__}, without __len__ and __getitem__",
+                             file=file, field=name, fix=fix)
+    return data
+
+
+def dataset_length(model_file: ModelFile, data: Any) -> int:
+    """`len(data)` of the file's dataset, as the model file's code (a failure is its error)."""
+    name, file = _dataset_name(model_file), str(model_file.path)
+    try:
+        with user_code(file, f"len({name}())", model_file.time_limit_s, field=name):
+            return int(len(data))
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(f"len({name}()) failed: {type(exc).__name__}: {str(exc)[:300]}", file=file, field=name,
+                             fix="give the dataset a __len__ returning its number of samples") from exc
+
+
+def stack_samples(samples: list[Any]) -> tuple[tuple[Any, ...], Any]:
+    """Samples `(inputs..., target)` (one row each) stacked into rows like batch() returns them:
+    (tuple of inputs, target), each with the row dimension first (torch's default_collate: tensors,
+    numpy arrays and numbers are stacked)."""
+    stacked = default_collate(samples)
+    return tuple(stacked[:-1]), stacked[-1]
+
+
+def check_dataset_length(model_file: ModelFile, length: int, global_batch: int) -> None:
+    """One step reads one global batch of distinct samples: the dataset must hold at least that many."""
+    if length < global_batch:
+        raise ModelFileError(f"{_dataset_name(model_file)}() holds {length} samples, fewer than one global batch "
+                             f"of {global_batch}", file=str(model_file.path), field=_dataset_name(model_file),
+                             fix=f"give it at least {global_batch} samples"
+                                 + (f", or plan with --global-batch {length} or less" if length else ""))
+
+
+def check_dataset(model_file: ModelFile, global_batch: int) -> None:
+    """Planning's check of a dataset() against the global batch: it holds at least one global batch (its
+    rows' structure is checked beside batch()'s, in check_batch_rows). No dataset(): nothing to check."""
+    if model_file.dataset is not None:
+        data = load_dataset(model_file)
+        check_dataset_length(model_file, dataset_length(model_file, data), global_batch)
+
+
+def _check_dataset_rows(model_file: ModelFile, batch_size: int, traced_batch: tuple[tuple[Any, ...], Any],
+                        traced: tuple[list[tuple[torch.dtype, tuple[int, ...]]], ...]) -> None:
+    """The first samples of dataset() stacked must have batch()'s tensors (count, dtypes, shapes per row):
+    planning traces and costs the model on batch(), the program trains it on the dataset's rows."""
+    name, file = _dataset_name(model_file), str(model_file.path)
+    data = load_dataset(model_file)
+    length = dataset_length(model_file, data)
+    if length == 0:
+        raise ModelFileError(f"{name}() holds no samples", file=file, field=name,
+                             fix="point it at a data file with at least one global batch of samples")
+    rows = min(DATASET_CHECK_ROWS, length)
+    fix = (f"return samples (inputs..., target): one row of batch()'s tensors each, without the batch "
+           f"dimension, as batch({batch_size}, 0) returns {describe(traced_batch)}")
+    try:
+        with user_code(file, f"{name}()[0..{rows - 1}]", model_file.time_limit_s, field=name):
+            samples = [data[i] for i in range(rows)]
+        if not isinstance(samples[0], (tuple, list)) or len(samples[0]) < 2:
+            raise ValueError(f"sample 0 is {describe(samples[0])}, not (inputs..., target)")
+        inputs, target = stack_samples(samples)
+        got = (_rows_signature(inputs, rows, "its inputs"), _rows_signature(target, rows, "its target",
+                                                                             required=False))
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(f"{name}()'s samples 0..{rows - 1}: {type(exc).__name__}: {str(exc)[:300]}",
+                             file=file, field=name, fix=fix) from exc
+    if got != traced:
+        raise ModelFileError(f"{name}()'s samples 0..{rows - 1} stacked are {describe((inputs, target))}, not the "
+                             f"tensors of batch()", file=file, field=name, fix=fix)
 
 
 def check_loss(model_file: ModelFile, output: Any, target: Any) -> None:

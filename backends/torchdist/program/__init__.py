@@ -10,8 +10,11 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
                     against the plan: process counts per node, the GPU's type
     process_group   join the process group with that rank; the gradient groups; who is who (Context)
     layout          the rank -> replica / stage / device table the program prints at start-up
+    materialise     the model built on meta; only this rank's tensors given values (the init contract)
+    weights         pretrained weights: this rank's tensors read from safetensors / Hugging Face / DCP files
     rows            the rows of the global batch a replica trains on, cut into its micro-batches
-    stages          the model built like one process, traced and split like the plan per micro-batch size
+    data            dataset() read through a DataLoader, by the ranks that need its inputs or targets
+    stages          the model traced on meta per micro-batch size, split like the plan; this stage installed
     p2p             point-to-point sends and receives between stages, with their message tags
     activations     activation compression on pipeline links (the wire format of each value)
     pipeline        the schedule executor: a stage's 1F1B / GPipe actions, forward and backward
@@ -20,7 +23,9 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
     precision       autocast per stage and plan-wide fp16 loss scaling
     gradsync        gradient groups: an exact or compressed all-reduce per group
     optimizers      AdamW, SGD, 1-bit Adam, and one step's gradient sync around loss scaling
+    memory          a rank's measured peak memory; the spec's device memory held on CPU ranks; running out in one line
     metrics         one JSON line per step and rank, written whole; `read_metrics` to read them back
+    dry_run         a replica's stages built and run once on meta, as its ranks would start (`--dry-run`)
 
 Units import each other relatively (`from . import p2p`) and hetplan's library absolutely
 (`backends.compression`, `backends.kernels`, `passes.split`, `planner.frontend`, `planner.core`), so

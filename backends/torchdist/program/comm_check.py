@@ -17,12 +17,10 @@ import torch.nn as nn
 
 from passes import comm
 from passes.comm.inputs import SplitView, StreamInputs, model_params
-from planner import frontend
 from planner.core.errors import HetplanError, PlanFileError
 from planner.core.ir import Plan
 
 from .process_group import Context
-from .rows import micro_batches
 from .stages import StageGraphs
 
 FIX = "re-plan with this model file and this hetplan, and run the program `plan` wrote; do not edit plan.json"
@@ -32,14 +30,10 @@ class StreamMismatch(PlanFileError):
     """This rank's communication is not the one verified at planning."""
 
 
-def own_inputs(plan: Plan, ctx: Context, graphs: StageGraphs, model_file: frontend.ModelFile,
-               model: nn.Module) -> StreamInputs:
-    """This rank's StreamInputs: its replica's split at each micro-batch size, as it will run them."""
-    replica = ctx.replica.index
-    splits = {}
-    for mb in micro_batches(model_file, plan, replica, 0, ctx.device):
-        if (replica, mb.rows) not in splits:
-            splits[replica, mb.rows] = SplitView.of(graphs.split_for(mb.inputs))
+def own_inputs(ctx: Context, graphs: StageGraphs, model: nn.Module) -> StreamInputs:
+    """This rank's StreamInputs: its replica's split at each micro-batch size, as it will run them
+    (`model`: the model on meta, for its parameters' sizes)."""
+    splits = {(ctx.replica.index, rows): SplitView.of(graphs.split_at(rows)) for rows in graphs.sizes}
     return StreamInputs(splits, model_params(model))
 
 
@@ -67,11 +61,10 @@ def mismatch(plan: Plan, rank: int, mine: StreamInputs) -> str | None:
             f"with {variant.name}: `{here}` here, `{there}` verified")
 
 
-def check(plan: Plan, ctx: Context, graphs: StageGraphs, model_file: frontend.ModelFile,
-          model: nn.Module) -> None:
+def check(plan: Plan, ctx: Context, graphs: StageGraphs, model: nn.Module) -> None:
     """Refuse (StreamMismatch, on every rank) unless every rank's streams are the verified ones."""
     try:
-        why = mismatch(plan, ctx.rank, own_inputs(plan, ctx, graphs, model_file, model))
+        why = mismatch(plan, ctx.rank, own_inputs(ctx, graphs, model))
     except HetplanError as exc:     # e.g. a group's parameter this model does not have
         why = f"rank {ctx.rank}: cannot derive its communication: {exc.message}"
     flags = torch.zeros(plan.world_size, dtype=torch.int32, device=ctx.device)

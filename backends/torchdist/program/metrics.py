@@ -4,7 +4,12 @@ Every rank appends to the same file, so each line is one `os.write` of the whole
 opened with O_APPEND: lines of different ranks never interleave. A full disk must not leave a torn line
 behind: a short write is truncated away again (when no other rank appended after it) and the run stops
 with one line saying so. `read_metrics` skips what a torn write can still leave: an incomplete last
-line, or a line that is not a JSON record.
+line, or a line that is not a JSON record; `MetricsFollower` reads the lines added since its last read
+(`plan run`'s progress).
+
+Each line also holds this rank's memory, added by `MetricsLog.log` itself: the measured peak
+(memory.peak_memory_fields: VmHWM on CPU, the CUDA allocator's allocated and reserved peaks) beside
+the plan's estimate for the rank (`estimated_memory_bytes`, its stage's `memory_bytes`).
 """
 
 from __future__ import annotations
@@ -12,14 +17,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import resource
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from planner.core.errors import HetplanError
 
+from .memory import peak_memory_fields
 from .process_group import Context
 
 METRICS_FILE = "metrics.jsonl"
@@ -51,7 +54,8 @@ def append_line(fd: int, line: bytes, path: str) -> None:
 
 
 class MetricsLog:
-    """This rank's metrics lines: rank, replica, stage and device, then the step's fields."""
+    """This rank's metrics lines: rank, replica, stage and device, the step's fields, then the rank's
+    measured peak memory and the plan's estimate of it."""
 
     def __init__(self, out_dir: Path, ctx: Context) -> None:
         self.path = out_dir / METRICS_FILE
@@ -65,7 +69,8 @@ class MetricsLog:
 
     def log(self, **fields: Any) -> None:
         record = {"rank": self.ctx.rank, "replica": self.ctx.replica.index, "stage": self.ctx.stage.index,
-                  "device": self.ctx.stage.device_label, **fields}
+                  "device": self.ctx.stage.device_label, **fields, **peak_memory_fields(self.ctx.device),
+                  "estimated_memory_bytes": self.ctx.stage.memory_bytes}
         append_line(self._fd, (json.dumps(record) + "\n").encode(), str(self.path))
 
     def close(self) -> None:
@@ -75,8 +80,32 @@ class MetricsLog:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl, skipping an incomplete last line and any line that is not a JSON
     record (what a torn write leaves)."""
-    data = Path(path).read_bytes()
-    lines = data.split(b"\n")[:-1]              # after the last newline: nothing, or an incomplete line
+    lines = Path(path).read_bytes().split(b"\n")[:-1]   # after the last newline: nothing, or an incomplete line
+    return _records(lines)
+
+
+class MetricsFollower:
+    """Reads a metrics.jsonl as ranks append to it: each `new_records` returns the records of the lines
+    completed since the last call (an incomplete last line waits for its end; a missing file has none)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[:data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        return _records(complete.split(b"\n")[:-1])
+
+
+def _records(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The JSON records among `lines`, skipping any that is not one (a torn write's remains)."""
     records = []
     for line in lines:
         try:
@@ -86,10 +115,3 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             records.append(record)
     return records
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """The CUDA allocator's peak on a GPU, the process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

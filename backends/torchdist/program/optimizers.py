@@ -2,10 +2,13 @@
 
 AdamW with torch's defaults but the learning rate, or SGD with momentum 0.9: what the single-process
 reference (backends.torchdist.reference) builds. Under AdamW the parameters of `onebit` gradient groups
-train with 1-bit Adam (backends.compression.onebit_adam) instead.
+train with 1-bit Adam (backends.compression.onebit_adam) instead. A stage without parameters (the last
+stage only casts the logits) has no optimizer step: `NoParameters`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -23,6 +26,24 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.AdamW(params, lr=lr)
+
+
+class NoParameters(torch.optim.Optimizer):
+    """The optimizer of a stage that holds no parameters: its step updates nothing.
+
+    The stage still runs its forward and backward and sends its gradients; it belongs to no gradient
+    group (those list parameters), so no gradient sync or 1-bit Adam exchange involves it. Under fp16
+    loss scaling it still takes part in the all-ranks inf check (torch's ShardedGradScaler all-reduces
+    a flag for a rank without gradients too), so every rank skips a step together. One empty parameter
+    group: torch.optim.Optimizer refuses an empty parameter list.
+    """
+
+    def __init__(self) -> None:
+        super().__init__([{"params": []}], {})
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Nothing to update (a closure, as torch's optimizers take one, is not called)."""
+        return None
 
 
 def onebit_freeze_step(plan: Plan, total_steps: int) -> int:
@@ -44,8 +65,10 @@ def make_stage_optimizer(name: str, params: list[nn.Parameter], grad_sync: Gradi
     then frozen variance and 1-bit compressed momentum in place of the group's gradient sync; see
     backends.compression.onebit_adam). 1-bit compression on the gradients themselves only suits SGD.
     One optimizer for all of the rank's parameters, so that fp16 loss scaling unscales them and skips
-    the step together.
+    the step together; `NoParameters` for a stage without any.
     """
+    if not params:
+        return NoParameters()
     if grad_sync.exchanges:
         raise RuntimeError("make_stage_optimizer: the 1-bit groups' compressors already belong to an optimizer")
     if name != "adamw":

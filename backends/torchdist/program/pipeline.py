@@ -23,9 +23,10 @@ from planner.core.ir import Plan
 
 from . import precision
 from .activations import NO_CODEC, Codec
+from .data import ReplicaData
 from .p2p import P2P, tag
 from .process_group import Context
-from .rows import MicroBatch, micro_batches
+from .rows import MicroBatch
 from .slowdown import Slowdown
 from .stages import StageGraphs
 
@@ -41,17 +42,17 @@ def edge_codecs(plan: Plan, replica: int) -> dict[tuple[int, int], Codec]:
 
 
 class StageExecutor:
-    """This rank's stage: its parameters, its graphs (one per micro-batch size) and its schedule.
+    """This rank's stage: its parameters (`params`, by the plan's names), its graphs (one per micro-batch
+    size), its rows (`data`: what this stage reads of each step) and its schedule.
 
     `cpu_autocast`: apply the plan's bf16/fp16 precision on CPU ranks too (see precision.py).
     """
 
-    def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, model: nn.Module, *,
-                 cpu_autocast: bool = False) -> None:
-        self.plan, self.ctx, self.model_file = plan, ctx, model_file
-        self.model = model.to(ctx.device)
-        self.graphs = StageGraphs(self.model, model_file, [s.last_node for s in ctx.replica.stages])
-        self.params = {name: self.model.get_parameter(name) for name in ctx.stage.params}
+    def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, graphs: StageGraphs,
+                 params: dict[str, nn.Parameter], data: ReplicaData, *, cpu_autocast: bool = False) -> None:
+        self.plan, self.ctx, self.model_file, self.data = plan, ctx, model_file, data
+        self.graphs = graphs          # this rank's stage installed (stages.StageGraphs.install)
+        self.params = params
         self.p2p = P2P()
         self.slowdown = Slowdown(ctx.stage.slowdown, ctx.device, self.p2p)
         self.compute_dtype = precision.stage_compute_dtype(ctx.stage, cpu_autocast)
@@ -66,7 +67,7 @@ class StageExecutor:
         """Forward and backward of this rank's stage for every micro-batch of step `step`; returns the
         loss contribution of this rank (last stages: share-weighted mean over their rows)."""
         ctx = self.ctx
-        micro = micro_batches(self.model_file, self.plan, ctx.replica.index, step, ctx.device)
+        micro = self.data.micro_batches(step)
         actions = sched.make(ctx.replica.schedule, ctx.num_stages, len(micro))[ctx.stage.index]
         saved: dict[int, dict[str, Any]] = {}
         loss_sum = 0.0
@@ -81,7 +82,7 @@ class StageExecutor:
 
     def _forward(self, j: int, mb: MicroBatch, saved: dict[int, dict[str, Any]]) -> float:
         ctx = self.ctx
-        split = self.graphs.split_for(mb.inputs)
+        split = self.graphs.split_at(mb.rows)
         stage = split.stages[ctx.stage.index]
         local = dict(zip(split.model_inputs, mb.inputs))
         value_index = {name: i for i, name in enumerate(sorted(split.values))}
@@ -106,7 +107,7 @@ class StageExecutor:
             else:
                 outs = stage.module(*args)
             if ctx.is_last:
-                output = outs[0] if split.output_structure == "tensor" else outs
+                output = split.model_output(outs)    # the structure the model returns on one process
                 loss = self.model_file.loss_fn(output, mb.target) * (mb.rows / self.plan.global_batch)
         record: dict[str, Any] = {"received": received, "sent": [], "split": split}
         contribution = 0.0

@@ -6,9 +6,11 @@ which node is which and starts there as many processes as the plan runs on it). 
 directory, `python -m program.train` runs a one-device plan without torchrun. Rank 0 prints the layout.
 
 The training contract (the same as backends/torchdist/reference.py on one process):
-- initial weights equal `torch.manual_seed(seed); model()` on one process;
-- step k trains on the rows of `batch(global_batch, k)`, split across replicas in plan order by their
-  shares, each share cut into the replica's micro-batches;
+- initial values follow the init contract (materialise.py): the model built on meta, each module's
+  parameters initialised under a generator seeded from (seed, its name); a rank gives values only to its
+  own stage's tensors, or reads them from --weights (weights.py);
+- step k trains on the rows of `batch(global_batch, k)` (or of dataset()'s seeded selection, data.py),
+  split across replicas in plan order by their shares, each share cut into the replica's micro-batches;
 - each last stage weights its micro-batch losses by rows / global batch, and gradients are summed per
   gradient group (replicas, and stages that share a weight), so the update equals single-process
   training on the global batch; groups sync with the plan's compressor (`none`: exact); under AdamW a
@@ -53,7 +55,21 @@ from planner import frontend
 from planner.core.errors import HetplanError
 from planner.core.ir import Plan
 
-from . import comm_check, gradsync, layout, metrics, optimizers, pipeline, placement, process_group, stages
+from . import (
+    comm_check,
+    data,
+    gradsync,
+    layout,
+    materialise,
+    memory,
+    metrics,
+    optimizers,
+    pipeline,
+    placement,
+    process_group,
+    stages,
+    weights,
+)
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -76,9 +92,33 @@ def parse_args(plan: Plan, here: Path, argv: list[str] | None) -> argparse.Names
                    help="apply the plan's bf16/fp16 precision on CPU ranks too (default: fp32 on CPU)")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("HETPLAN_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
                    help="seconds a collective or receive may wait for a peer before the run fails")
+    p.add_argument("--weights", type=Path, default=None,
+                   help="start from pretrained weights: a .safetensors file, a Hugging Face model folder or a "
+                        "torch.distributed.checkpoint folder; each rank reads only its stage's tensors")
+    p.add_argument("--data", type=Path, default=None,
+                   help="the data file or folder the model file's dataset() reads (as HETPLAN_DATA)")
     p.add_argument("--no-device-check", action="store_true",
                    help="run on GPUs of another type than planned (the plan's times and memory do not hold)")
     return p.parse_args(argv)
+
+
+def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.ModelFile,
+                args: argparse.Namespace) -> tuple[stages.StageGraphs, dict[str, torch.nn.Parameter]]:
+    """This rank's stage, ready to train: the model built and traced on meta at its replica's micro-batch
+    sizes, and only this stage's tensors given values (the init contract, materialise.py) on its device."""
+    meta = materialise.build_meta(model_file, args.seed)
+    graphs = stages.StageGraphs(meta, model_file, [s.last_node for s in ctx.replica.stages],
+                                ctx.replica.micro_batch_sizes, lambda rows: data.meta_inputs(model_file, rows),
+                                ctx.device)
+    names = graphs.tensor_names(ctx.stage.index) + list(ctx.stage.params)
+    values = materialise.materialise(meta, names, ctx.device)
+    if args.weights is not None:         # the checkpoint's values replace the contract's, name by name
+        expected = weights.model_tensors(meta.module)
+        weights.load_into(args.weights, {n: v for n, v in values.items() if n in expected},
+                          weights.tied_aliases(meta.module), model_names=list(expected))
+    graphs.install(ctx.stage.index, values)
+    params = {name: values[name] for name in ctx.stage.params}
+    return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}
 
 
 def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Namespace) -> None:
@@ -87,10 +127,14 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
     if ctx.rank == 0:
         print(layout.table(plan), flush=True)
     functions = dict(plan.program.functions) if plan.program else {}
+    if args.data is not None:
+        os.environ[data.DATA_ENV] = str(args.data.resolve())
     model_file = frontend.load_model_file(here / "model.py", functions)
-    model = stages.build_model(model_file, args.seed)       # same values as one process
-    executor = pipeline.StageExecutor(plan, ctx, model_file, model, cpu_autocast=args.cpu_autocast)
-    comm_check.check(plan, ctx, executor.graphs, model_file, model)   # only the verified communication
+    graphs, params = start_stage(plan, ctx, model_file, args)
+    rows = data.ReplicaData(model_file, plan, ctx.replica.index, ctx.device, seed=args.seed, steps=args.steps,
+                            needs=data.stage_needs(graphs.split_at(graphs.sizes[0]), ctx.stage.index, ctx.is_last))
+    executor = pipeline.StageExecutor(plan, ctx, model_file, graphs, params, rows, cpu_autocast=args.cpu_autocast)
+    comm_check.check(plan, ctx, graphs, graphs.meta.module)   # only the verified communication
     grad_sync = gradsync.GradientSync(list(plan.grad_groups), ctx.grad_groups, executor.params)
     freeze_step = (optimizers.onebit_freeze_step(plan, args.steps) if args.onebit_freeze_step is None
                    else args.onebit_freeze_step)
@@ -111,7 +155,6 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
         dist.all_reduce(loss)                               # mean over the global batch
         by_group = grad_sync.step_wire_bytes_by_group()
         log.log(step=step, loss=float(loss), step_time_s=step_time_s,
-                peak_memory_bytes=metrics.peak_memory_bytes(ctx.device),
                 p2p_bytes=executor.p2p.bytes_sent, grad_bytes=grad_sync.step_grad_bytes(),
                 grad_wire_bytes=sum(by_group.values()), grad_wire_bytes_by_group=by_group,
                 compute_dtype=str(executor.compute_dtype).removeprefix("torch."),
@@ -120,6 +163,7 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
     if args.save_final:
         stages.save_parameters(executor.params, args.out / "final" / f"rank{ctx.rank}.pt")
     dist.barrier()
+    rows.close()
     del executor, optimizer, grad_sync
     gc.collect()                                            # release gloo work before teardown
     dist.destroy_process_group()
@@ -128,19 +172,25 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
 def main(argv: list[str] | None = None) -> int:
     here = Path(__file__).resolve().parent
     place: placement.Placement | None = None
+    plan: Plan | None = None
+    limit: memory.DataLimit | None = None
     try:
         plan = Plan.load(here / "plan.json")
         args = parse_args(plan, here, argv)
         place = placement.resolve(plan)
         if not args.no_device_check:
             placement.check_gpu(plan, place)
+        limit = memory.emulate_device_memory(plan, place.rank, _device_of(plan, place))
         train(plan, place, here, args)
-    except HetplanError as exc:
-        # a wrong launch is seen alike by every process of an agent: its first one says so, once
-        if not isinstance(exc, placement.LaunchError) or os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"train.py: {exc.one_line()}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    except (dist.DistError, RuntimeError) as exc:
+    except (HetplanError, MemoryError, dist.DistError, RuntimeError) as exc:
+        failed = memory.allocation_failure(exc)
+        if failed is not None and plan is not None and place is not None:
+            return _out_of_memory(plan, place, limit, failed)
+        if isinstance(exc, HetplanError):
+            # a wrong launch is seen alike by every process of an agent: its first one says so, once
+            if not isinstance(exc, placement.LaunchError) or os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"train.py: {exc.one_line()}", file=sys.stderr, flush=True)
+            return exc.exit_code
         if not isinstance(exc, dist.DistError) and "gloo" not in str(exc):
             raise                   # not communication: the traceback is the report
         # a peer died or hung (gloo reports a timeout or a closed connection as a RuntimeError): the
@@ -150,6 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: rank {rank}: {type(exc).__name__}: {first[:300]}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _out_of_memory(plan: Plan, place: placement.Placement, limit: memory.DataLimit | None,
+                   failed: BaseException) -> int:
+    """Say in one line that this rank ran out of memory (memory.out_of_memory); the exit code."""
+    if limit is not None:
+        limit.lift()                # the report needs a little memory of its own
+    error = memory.out_of_memory(plan, place.rank, _device_of(plan, place), failed)
+    print(f"train.py: {error.one_line()}", file=sys.stderr, flush=True)
+    return error.exit_code
+
+
+def _device_of(plan: Plan, place: placement.Placement) -> torch.device:
+    """The device the rank of `place` computes on (as process_group.init chooses it)."""
+    stage = plan.stage_of_rank(place.rank)[1]
+    return torch.device("cuda", place.device_index) if placement.uses_cuda(stage) else torch.device("cpu")
 
 
 if __name__ == "__main__":
