@@ -3,6 +3,8 @@ context values (no gradient), the hidden state as an activation."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 
 from backends.torchdist.reference import train_reference
@@ -103,3 +105,42 @@ def test_weights_missing_or_misshaped_tensor_is_one_line_before_any_rank(tmp_pat
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0] and str(path) in lines[0], run.stderr
         assert not (out / "run" / "metrics.jsonl").exists()          # no rank started
+
+
+@pytest.mark.slow
+def test_hf_gpt2_with_tied_embeddings_and_model_output_matches_single_process(tmp_path):
+    """A stock GPT2LMHeadModel as a user writes it: the LM head tied to the token embedding (the graph
+    reads it as `lm_head.weight`, named_parameters() only as `transformer.wte.weight`) and a ModelOutput
+    handed to the loss; 2 stages x 2 replicas train equal to one process."""
+    model = tmp_path / "model.py"
+    model.write_text(textwrap.dedent('''
+        import torch
+        import torch.nn.functional as F
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        CONFIG = dict(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                      eos_token_id=0)
+
+        def model():
+            return GPT2LMHeadModel(GPT2Config(**CONFIG))
+
+        def batch(n, step):
+            tokens = torch.randint(128, (n, 17), generator=torch.Generator().manual_seed(step))
+            return (tokens[:, :-1],), tokens[:, 1:]
+
+        def loss_fn(output, target):
+            return F.cross_entropy(output.logits.reshape(-1, 128), target.reshape(-1))
+    '''))
+    out = tmp_path / "out"
+    proc = run_plan_cli(str(model), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"), "--global-batch", "8",
+                        "--stages", "2", "--use-all-devices", "--no-runners-up", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(out)
+    assert any(len(g.ranks) > 2 for g in plan.grad_groups)       # the tied weight spans both stages
+    metrics = run_program(out, STEPS, seed=2, save_final=False)
+    ref = train_reference(str(model), global_batch=8, steps=STEPS, seed=2,
+                          accumulate=[m for r in plan.replicas for m in r.micro_batch_sizes])
+    assert len(metrics) == STEPS * plan.world_size
+    for m in metrics:
+        assert m["loss"] == pytest.approx(ref.losses[m["step"]], rel=1e-5)
