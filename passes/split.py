@@ -29,6 +29,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflat
 
 from passes.blocks import compute_nodes
 from planner.core.errors import PassError
+from planner.frontend.trace import export_output_spec
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,5 @@ def split_stages(gm: fx.GraphModule, last_nodes: list[str]) -> StageSplit:
 def output_spec(gm: fx.GraphModule) -> TreeSpec:
     """The tree the model's output is built from the graph's flat outputs with: torch.export's output
     spec (kept by the GraphModule's pytree code generation), or the output node's own structure."""
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is not None and info.out_spec is not None:
-        return info.out_spec
-    return tree_flatten(gm.graph.output_node().args[0])[1]
+    spec = export_output_spec(gm)
+    return spec if spec is not None else tree_flatten(gm.graph.output_node().args[0])[1]

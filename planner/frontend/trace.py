@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_unflatten
 
 from planner.core.errors import ModelFileError
 from planner.frontend import repeated
@@ -95,10 +95,17 @@ def _graph_output(gm: fx.GraphModule, meta_inputs: tuple[Any, ...], file: str) -
     if not tensors:
         raise ModelFileError("model()'s forward returns no tensor", file=file, field="model",
                              fix="return the model's output (a tensor, or a tuple of tensors)")
-    spec = getattr(gm.graph._codegen, "pytree_info", None)     # torch.export's: what forward returns
-    if spec is not None and spec.out_spec is not None and spec.out_spec.num_leaves == len(tensors):
-        return tree_unflatten(tensors, spec.out_spec)              # a tuple, a dict, a ModelOutput
+    spec = export_output_spec(gm)
+    if spec is not None and spec.num_leaves == len(tensors):
+        return tree_unflatten(tensors, spec)              # a tuple, a dict, a ModelOutput
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def export_output_spec(gm: fx.GraphModule) -> TreeSpec | None:
+    """The tree torch.export recorded for what the model's forward returns (kept by the GraphModule's
+    pytree code generation); None for a graph of the symbolic tracer."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    return info.out_spec if info is not None else None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,6 +10,7 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
                     against the plan: process counts per node, the GPU's type
     process_group   join the process group with that rank; the gradient groups; who is who (Context)
     layout          the rank -> replica / stage / device table the program prints at start-up
+    seeds           generator seeds derived from the run's seed (module inits, data order)
     materialise     the model built on meta; only this rank's tensors given values (the init contract)
     weights         pretrained weights: this rank's tensors read from safetensors / Hugging Face / DCP files
     rows            the rows of the global batch a replica trains on, cut into its micro-batches

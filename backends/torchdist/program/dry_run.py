@@ -54,15 +54,11 @@ def replica_records(plan: Plan, here: Path, replica: int, seed: int = 0) -> list
     start_up_s = time.perf_counter() - STARTED_S
     replica_params: dict[int, torch.nn.Parameter] = {}
     out: list[dict[str, object]] = []
+    batches = {rows: frontend.to_device(frontend.example_batch_for_step(model_file, rows, 0), "meta")
+               for rows in graphs.sizes}          # (inputs, target) on meta, one per micro-batch size
     for stage in shape.stages:
-        saved_bytes = 0
-        runs = []
-        for rows in graphs.sizes:
-            inputs, target = frontend.example_batch_for_step(model_file, rows, 0)
-            run = check_stage_runs(graphs.split_at(rows), stage.index, model_file,
-                                   frontend.to_device(inputs, "meta"), frontend.to_device(target, "meta"))
-            runs.append(run)
-            saved_bytes = max(saved_bytes, run.saved_bytes)
+        saved_bytes = max(check_stage_runs(graphs.split_at(rows), stage.index, model_file, *batches[rows]).saved_bytes
+                          for rows in graphs.sizes)
         names = graphs.tensor_names(stage.index)
         held = {name: meta.module.get_parameter(name) for name in names if name not in meta.buffers}
         unique = {id(p): p for p in held.values()}

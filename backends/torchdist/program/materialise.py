@@ -23,7 +23,6 @@ follows too, so that one process reproduces every stage of every plan for the sa
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,13 +33,14 @@ from planner import frontend
 from planner.core.errors import ModelFileError
 from planner.frontend.user_code import user_code
 
+from .seeds import derived_seed
+
 INIT_WEIGHTS = "init_weights"     # the model file's optional per-module initialiser
 
 
 def module_seed(seed: int, qualified_name: str) -> int:
     """The generator seed of one module's initialisation: a hash of the run's seed and the module's name."""
-    digest = hashlib.sha256(f"{seed}:{qualified_name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return derived_seed(f"{seed}:{qualified_name}")
 
 
 def _torch_reset(module: nn.Module) -> Callable[[], None] | None:

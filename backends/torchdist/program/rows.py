@@ -20,7 +20,6 @@ gives the inputs' shapes without reading them).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from planner import frontend
 from planner.core.ir import Plan
 
-EPOCH_SEED_BITS = 63     # torch.Generator.manual_seed takes a non-negative 64-bit integer
+from .seeds import derived_seed
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,7 @@ def slice_rows(value: Any, start: int, stop: int) -> Any:
 def epoch_seed(seed: int, epoch: int) -> int:
     """The generator seed of epoch `epoch`'s permutation under run seed `seed`: a hash of the pair, so
     neighbouring seeds or epochs give unrelated orders (seed * stride + epoch would collide)."""
-    digest = hashlib.sha256(f"hetplan-data-epoch:{seed}:{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << EPOCH_SEED_BITS) - 1)
+    return derived_seed(f"hetplan-data-epoch:{seed}:{epoch}")
 
 
 class Selection:
