@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from backends.torchdist.local_run import PRINT_EVERY_S, StepReport, failure_line, first_failure
+from backends.torchdist.program.process_group import FOR_PEER_EXIT_CODE
 from backends.torchdist.program import metrics
 from planner.core.ir import Plan
 from tests.helpers import REPO, read_metrics, run_plan_cli
@@ -248,6 +249,9 @@ def test_the_rank_that_failed_first_is_named_with_its_own_error_not_a_peer_s(two
         "exitcode  : 1 (pid: 102)", "exitcode  : -15 (pid: 102)")
     assert first_failure(only_sigterm, log_dir, world_size=3) == (0, -15)   # then torchrun's root cause
     assert first_failure("no report", log_dir, world_size=3) is None
+    # a rank that stopped because of a peer (its exit code says so) is passed over, though it wrote first
+    for_peer = REPORT.replace("exitcode  : 1 (pid: 102)", f"exitcode  : {FOR_PEER_EXIT_CODE} (pid: 102)")
+    assert first_failure(for_peer, log_dir, world_size=3) == (0, 1)
 
     (log_dir / "launcher.log").write_text(REPORT.replace("rank      : 2 (local_rank: 2)", "rank      : 9"))
     line = failure_line(p, tmp_path / "run", returncode=1)

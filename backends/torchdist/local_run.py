@@ -48,7 +48,7 @@ from planner.core.ir import Plan
 from .program.memory import EMULATE_ENV
 from .program.metrics import METRICS_FILE, MetricsFollower, read_metrics
 from .program.placement import printable
-from .program.process_group import STORE_ENV
+from .program.process_group import FOR_PEER_EXIT_CODE, STORE_ENV
 
 GRACE_S = 5.0                 # after a forwarded signal, torchrun's time to stop its workers
 POLL_S = 0.2
@@ -346,9 +346,10 @@ def first_failure(launcher: str, log_dir: Path, world_size: int) -> tuple[int, i
 
     torchrun's "first observed failure" is the earliest by whole seconds, so a peer that failed in the same
     second because of it (a receive that found the connection closed) may be named instead. So: of the
-    ranks the report lists, not those ended by SIGTERM (how torchrun stops the others), the one whose own
-    log was written last the earliest: the rank that failed first wrote its last line (an error, or
-    nothing more once killed) before any peer could see it gone."""
+    ranks the report lists, not those ended by SIGTERM (how torchrun stops the others) or that stopped
+    because of a peer (FOR_PEER_EXIT_CODE), the one whose own log was written last the earliest: the rank
+    that failed first wrote its last line (an error, or nothing more once killed) before any peer could
+    see it gone."""
     found = ROOT_CAUSE.search(launcher)
     root = FAILURE.search(found.group("body")) if found else None
     if found is None or root is None:
@@ -359,7 +360,7 @@ def first_failure(launcher: str, log_dir: Path, world_size: int) -> tuple[int, i
     failures = {rank: code for rank, code in failures.items() if rank < world_size}
     if not failures:
         return None
-    own = {rank: code for rank, code in failures.items() if code != -signal.SIGTERM}
+    own = {rank: code for rank, code in failures.items() if code not in (-signal.SIGTERM, FOR_PEER_EXIT_CODE)}
     if not own:
         return int(root["rank"]), int(root["code"])
 

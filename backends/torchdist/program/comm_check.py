@@ -20,7 +20,7 @@ from passes.comm.inputs import SplitView, StreamInputs, model_params
 from planner.core.errors import HetplanError, PlanFileError
 from planner.core.ir import Plan
 
-from .process_group import Context
+from .process_group import FOR_PEER_EXIT_CODE, Context
 from .stages import StageGraphs
 
 FIX = "re-plan with this model file and this hetplan, and run the program `plan` wrote; do not edit plan.json"
@@ -28,6 +28,12 @@ FIX = "re-plan with this model file and this hetplan, and run the program `plan`
 
 class StreamMismatch(PlanFileError):
     """This rank's communication is not the one verified at planning."""
+
+
+class PeerMismatch(StreamMismatch):
+    """Another rank's communication is not the verified one: this one stops with it."""
+
+    exit_code = FOR_PEER_EXIT_CODE
 
 
 def own_inputs(ctx: Context, graphs: StageGraphs, model: nn.Module) -> StreamInputs:
@@ -62,7 +68,8 @@ def mismatch(plan: Plan, rank: int, mine: StreamInputs) -> str | None:
 
 
 def check(plan: Plan, ctx: Context, graphs: StageGraphs, model: nn.Module) -> None:
-    """Refuse (StreamMismatch, on every rank) unless every rank's streams are the verified ones."""
+    """Refuse unless every rank's streams are the verified ones, on every rank: StreamMismatch where they
+    differ, PeerMismatch on the others."""
     try:
         why = mismatch(plan, ctx.rank, own_inputs(ctx, graphs, model))
     except HetplanError as exc:     # e.g. a group's parameter this model does not have
@@ -76,5 +83,5 @@ def check(plan: Plan, ctx: Context, graphs: StageGraphs, model: nn.Module) -> No
     if differ:
         which = (f"rank {differ[0]} is not the verified one (its log says" if len(differ) == 1 else
                  f"ranks {', '.join(map(str, differ))} are not the verified one (their logs say")
-        raise StreamMismatch(f"rank {ctx.rank}: not starting: the communication of {which} where)",
+        raise PeerMismatch(f"rank {ctx.rank}: not starting: the communication of {which} where)",
                              file="plan.json", field="comm", fix=FIX)

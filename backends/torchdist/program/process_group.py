@@ -26,6 +26,8 @@ from planner.core.ir import Plan, ReplicaPlan, StagePlan
 from .placement import LaunchError, Placement, uses_cuda
 
 STORE_ENV = "HETPLAN_STORE"
+# the exit code of a rank that stops because another rank failed: `plan run` names the one that did
+FOR_PEER_EXIT_CODE = 5
 
 
 @dataclass

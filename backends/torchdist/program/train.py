@@ -124,6 +124,17 @@ def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.Mod
 def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     ctx = process_group.init(plan, place, args.timeout)     # rank -> (replica, stage, device)
+    try:
+        _train(plan, ctx, here, args)
+    except HetplanError:
+        # refused together (a check's collective told every rank): leave the group before exiting, so
+        # that no rank's exit tears down live communication threads (an abort instead of its exit code)
+        gc.collect()
+        dist.destroy_process_group()
+        raise
+
+
+def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Namespace) -> None:
     if ctx.rank == 0:
         print(layout.table(plan), flush=True)
     functions = dict(plan.program.functions) if plan.program else {}
