@@ -2,7 +2,12 @@
 
 frontend (trace on meta) -> annotate -> blocks -> cost tables -> search -> assemble -> verify -> verify the
 communication (passes.comm: every rank's stream proved free of deadlock, recorded in the plan's `comm`) ->
-run each stage once on meta (passes.stage_check; what makes the run differ from one process: `warnings`).
+run each stage once on meta (passes.stage_check; what makes the run differ from one process: `warnings`) ->
+the checkpoint's cost and interval (costmodel.checkpoint: `checkpoint`).
+
+A cluster less lost devices (ClusterSpec.without) is planned like any other; the plan records the labels
+it was made without (`inputs.lost_devices`). `plan replan` (planner.replanning, planner.cli.replan_cmd)
+plans a previous plan's model and options again on what is left.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.fx as fx
 
 from costmodel import compression, compute
 from costmodel.calibration import load_calibration
+from costmodel.checkpoint import checkpoint_advice
 from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
@@ -166,7 +172,8 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         cluster_path=str(cluster_path.resolve()) if cluster_path else "",
         cluster_digest=_digest(cluster_path) if cluster_path and cluster_path.is_file() else "",
         cluster_name=spec.name, options=options.as_pairs(), trace_batch=trace_batch,
-        model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"))
+        model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        lost_devices=spec.lost)
 
     with timer.phase("search_s"):
         result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
@@ -185,6 +192,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
             first = runners_up.first_tries(tables=tables, blocks=blocks, spec=spec, inputs=inputs,
                                            options=search_options) if options.strategy in ("ilp", "exact") else None
             result = runners_up.with_runners_up(result, others, spec, first)
+    result = dataclasses.replace(result, checkpoint=checkpoint_advice(result, spec))
     timings = {**timer.timings_s, "total_s": time.perf_counter() - start}
     return PlanResult(result, gm, blocks, tables, timings, model_file, spec, dict(passes.timings_s))
 

@@ -116,7 +116,7 @@ def test_launch_sh_starts_4_and_8_processes_on_the_two_nodes(tmp_path, mixed_pla
         assert f"--nnodes 2 --nproc-per-node {count} " in proc.stdout
         assert "--rdzv-endpoint 10.0.0.1:29500" in proc.stdout and proc.stdout.rstrip().endswith("--steps 3")
     alone = _fake_launch(program, tmp_path)                          # one machine: every process here
-    assert "--standalone --nproc-per-node 12 train.py --steps 3" in alone.stdout
+    assert "--standalone --nproc-per-node 12 --max-restarts 0 train.py --steps 3" in alone.stdout
     assert "HETPLAN_NODE_RANK= " in alone.stdout
     wrong = _fake_launch(program, tmp_path, NODE_RANK="2", MASTER_ADDR="10.0.0.1")
     assert wrong.returncode == 2 and wrong.stdout == ""

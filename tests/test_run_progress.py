@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.torchdist.local_run import PRINT_EVERY_S, StepReport, failure_line, first_failure
-from backends.torchdist.program.process_group import FOR_PEER_EXIT_CODE
+from backends.torchdist.local_run import PRINT_EVERY_S, StepReport
 from backends.torchdist.program import metrics
+from backends.torchdist.program.process_group import FOR_PEER_EXIT_CODE
+from backends.torchdist.run_failures import failure_line, first_failure
 from planner.core.ir import Plan
 from tests.helpers import REPO, read_metrics, run_plan_cli
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -75,6 +75,15 @@ class GradientCompressor(abc.ABC):
                 offset += n
         return wire
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state that carries across calls (error feedback, PowerSGD's P/Q), flat: name -> tensor or
+        plain value, for a checkpoint; none here (a compressor without state)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned (on the same group and buckets); none here."""
+        return None
+
     @abc.abstractmethod
     def _reduce(self, bucket: FlatBucket) -> tuple[torch.Tensor, int]:
         """Average `bucket` in place; return (its tensor, payload bytes passed to collectives)."""
@@ -82,3 +91,19 @@ class GradientCompressor(abc.ABC):
     @abc.abstractmethod
     def comm_hook(self) -> tuple[Any, CommHook]:
         """(state, hook) for `DistributedDataParallel.register_comm_hook`."""
+
+
+def buckets_to_flat(prefix: str, per_bucket: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict's entries for per-bucket tensors: `<prefix>/<bucket index>` -> tensor."""
+    return {f"{prefix}/{index}": tensor for index, tensor in per_bucket.items()}
+
+
+def buckets_from_flat(prefix: str, state: Mapping[str, Any], device: torch.device | None = None,
+                      ) -> dict[int, torch.Tensor]:
+    """The per-bucket tensors `buckets_to_flat(prefix, ...)` wrote, on `device` where given."""
+    out = {}
+    for key, value in state.items():
+        head, _, index = key.rpartition("/")
+        if head == prefix and index.isdigit():
+            out[int(index)] = value if device is None else value.to(device)
+    return out

@@ -15,13 +15,14 @@ counts it all-reduces (uncompressed tensors + P + Q), times the bucket's element
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's
 # annotations with the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from backends.compression.base import GradientCompressor
+from backends.compression.base import GradientCompressor, buckets_from_flat, buckets_to_flat
 from backends.compression.bucket import CommHook, FlatBucket, run_comm_hook
 from backends.compression.wire import CollectiveTap
 
@@ -154,3 +155,29 @@ class PowerSGDCompressor(GradientCompressor):
 
     def comm_hook(self) -> tuple[Any, CommHook]:
         return self.state, self.hook
+
+    _COUNTERS = ("iter", "total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
+
+    def state_dict(self) -> dict[str, Any]:
+        """PowerSGDState's state: iteration and counters, error feedback and P/Q per bucket, and the
+        numpy generator that draws a new bucket's first Q (its MT19937 state, keys as int64)."""
+        rng_state = cast("tuple[str, Any, int, int, float]", self.state.rng.get_state())
+        kind, keys, position, has_gauss, cached_gaussian = rng_state
+        out: dict[str, Any] = {name: int(getattr(self.state, name)) for name in self._COUNTERS}
+        out.update(rng_keys=torch.from_numpy(keys.astype("int64")), rng_position=int(position),
+                   rng_has_gauss=int(has_gauss), rng_gaussian=float(cached_gaussian), rng_kind=str(kind))
+        out.update(buckets_to_flat("error", self.state.error_dict))
+        out.update(buckets_to_flat("p", self.state.p_memory_dict))
+        out.update(buckets_to_flat("q", self.state.q_memory_dict))
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` of a compressor on the same group and buckets."""
+        for name in self._COUNTERS:
+            setattr(self.state, name, int(state[name]))
+        keys = state["rng_keys"].cpu().numpy().astype("uint32")
+        self.state.rng.set_state((state["rng_kind"], keys, int(state["rng_position"]),
+                                  int(state["rng_has_gauss"]), float(state["rng_gaussian"])))
+        self.state.error_dict = buckets_from_flat("error", state)
+        self.state.p_memory_dict = buckets_from_flat("p", state)
+        self.state.q_memory_dict = buckets_from_flat("q", state)

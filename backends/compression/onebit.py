@@ -34,13 +34,14 @@ rank receives k times that, so the all-gather variant pays more than all-to-all'
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's
 # annotations with the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from backends.compression.base import GradientCompressor
+from backends.compression.base import GradientCompressor, buckets_from_flat, buckets_to_flat
 from backends.compression.bucket import CommHook, FlatBucket
 from backends.kernels import (
     Impl,
@@ -170,3 +171,13 @@ class OneBitCompressor(GradientCompressor):
 
     def comm_hook(self) -> tuple[Any, CommHook]:
         return self.state, onebit_hook
+
+    def state_dict(self) -> dict[str, Any]:
+        """The worker and server error buffers per bucket."""
+        return {**buckets_to_flat("worker_error", self.state.worker_error),
+                **buckets_to_flat("server_error", self.state.server_error)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` of a compressor on the same group and buckets."""
+        self.state.worker_error = buckets_from_flat("worker_error", state)
+        self.state.server_error = buckets_from_flat("server_error", state)

@@ -5,6 +5,7 @@ for summary.txt)."""
 from __future__ import annotations
 
 from backends.report.gantt import render_gantt
+from backends.report.resilience import checkpoint_lines, lineage_line
 from backends.report.text import GIB, RUNNERS_UP_HEADER, TERMINAL, format_time, printable, runners_up_rows, table
 from backends.sim import simulate_plan
 from planner.core.cluster import ClusterSpec
@@ -26,6 +27,10 @@ def summary(plan: Plan, width: int | None = TERMINAL, warnings: bool = True) -> 
     ]
     if e.cost_per_sample is not None:
         head.append(f"cost: ${e.cost_per_sample * 1e6:.4g} per million samples")
+    head += checkpoint_lines(plan)
+    replaced = lineage_line(plan)
+    if replaced is not None:
+        head.insert(0, replaced)
     rows = []
     for r in plan.replicas:
         for st in r.stages:

@@ -61,6 +61,9 @@ def launch_script(plan: Plan) -> str:
         "#",
         *_layout_comments(plan, nodes),
         "#",
+        "# MAX_RESTARTS=N: torchrun restarts every node's workers up to N times after a failure; with",
+        "# --checkpoint-every STEPS (and --checkpoint-dir on storage every node shares) they resume from",
+        "# the last complete checkpoint.",
         "# torchrun numbers its agents in an order of its own: train.py finds its plan rank from",
         "# HETPLAN_NODE_RANK and LOCAL_RANK, and stops with one line if this node is not the planned one.",
         "set -euo pipefail",
@@ -69,7 +72,7 @@ def launch_script(plan: Plan) -> str:
         'if [ -z "${NODE_RANK:-}" ]; then',
         '  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"',
         f'  exec "${{PYTHON:-python}}" -m torch.distributed.run --standalone --nproc-per-node {world} '
-        'train.py "$@"',
+        '--max-restarts "${MAX_RESTARTS:-0}" train.py "$@"',
         "fi",
         'case "$NODE_RANK" in',
         *arms,
@@ -80,7 +83,7 @@ def launch_script(plan: Plan) -> str:
         'export HETPLAN_NODE_RANK="$NODE_RANK"',
         f'exec "${{PYTHON:-python}}" -m torch.distributed.run --nnodes {count} --nproc-per-node "$nproc" \\',
         '  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" '
-        '--rdzv-id "${RDZV_ID:-hetplan}" \\',
+        '--rdzv-id "${RDZV_ID:-hetplan}" --max-restarts "${MAX_RESTARTS:-0}" \\',
         '  train.py "$@"',
     ]
     return "\n".join(lines) + "\n"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -46,19 +45,15 @@ from backends.report.progress import Progress
 from planner.core.ir import Plan
 
 from .program.memory import EMULATE_ENV
-from .program.metrics import METRICS_FILE, MetricsFollower, read_metrics
-from .program.placement import printable
-from .program.process_group import FOR_PEER_EXIT_CODE, STORE_ENV
+from .program.metrics import METRICS_FILE, MetricsFollower
+from .program.process_group import STORE_ENV
+from .run_failures import LAUNCHER_LOG, LOG_DIR, failure_line
 
 GRACE_S = 5.0                 # after a forwarded signal, torchrun's time to stop its workers
 POLL_S = 0.2
 PRINT_EVERY_S = 2.0           # steps faster than this print one line per this many seconds (and the last)
 MEMORY_LISTED_RANKS = 8       # the end's memory line names every rank up to this many, else the fullest
 MIB_BYTES = 1 << 20
-LOG_DIR = "logs"
-LAUNCHER_LOG = "launcher.log"
-ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:(?P<body>.*?)(?:\n=|\Z)", re.S)
-FAILURE = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+).*?^\s*exitcode\s*:\s*(?P<code>-?\d+)", re.M | re.S)
 HETPLAN_ROOT = Path(__file__).resolve().parents[2]   # the folder holding planner/, backends/, ...
 
 
@@ -100,12 +95,14 @@ class LoopbackStore:
 
 
 def torchrun_command(program_dir: Path, world_size: int, store_port: int, run_id: str, log_dir: Path,
-                     train_args: list[str]) -> list[str]:
-    """torchrun on one machine over the loopback store, under a lifeline to this process."""
+                     train_args: list[str], max_restarts: int = 0) -> list[str]:
+    """torchrun on one machine over the loopback store, under a lifeline to this process; it restarts the
+    whole group up to `max_restarts` times after a worker fails (the program then resumes by itself from
+    its last complete checkpoint)."""
     return [sys.executable, "-m", "backends.torchdist.program.lifeline", str(os.getpid()),
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store_port}", "--rdzv-id", run_id,
-            "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1", "--max-restarts", "0",
+            "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts),
             "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
             str(program_dir / "train.py"), *train_args]
 
@@ -130,12 +127,14 @@ def run_environment(store_port: int, base: dict[str, str] | None = None, *,
 
 def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[str], *,
                 timeout_s: float, progress: Progress | None = None, emulate_memory: bool = False,
-                report: TextIO | None = None, steps: int | None = None) -> RunOutcome:
-    """Run the program of `plan` for `train_args` with its output in `run_dir` (which must not exist);
-    `progress` shows the start-up until the first step (closed then); `report` gets a line per step
-    (StepReport; `steps`: how many the run makes) and the run's memory, metrics and logs at its end."""
+                report: TextIO | None = None, steps: int | None = None, max_restarts: int = 0) -> RunOutcome:
+    """Run the program of `plan` for `train_args` with its output in `run_dir` (a run resumed in place
+    may find it there: its metrics are appended to); `progress` shows the start-up until the first step
+    (closed then); `report` gets a line per step (StepReport; `steps`: how many the run makes) and the
+    run's memory, metrics and logs at its end. torchrun restarts the group up to `max_restarts` times."""
     log_dir = run_dir / LOG_DIR
-    log_dir.mkdir(parents=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _keep_launcher_log(log_dir)
     run_id = f"hetplan-{uuid.uuid4().hex[:12]}"
     store = LoopbackStore(timeout_s)
     received: list[int] = []
@@ -144,7 +143,7 @@ def run_program(plan: Plan, program_dir: Path, run_dir: Path, train_args: list[s
         with open(log_dir / LAUNCHER_LOG, "wb") as launcher_log:
             proc = subprocess.Popen(
                 torchrun_command(program_dir, plan.world_size, store.port, run_id, log_dir,
-                                 [*train_args, "--out", str(run_dir), "--timeout", str(timeout_s)]),
+                                 [*train_args, "--out", str(run_dir), "--timeout", str(timeout_s)], max_restarts),
                 stdout=None, stderr=launcher_log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env=run_environment(store.port, emulate_memory=emulate_memory))
             polls = (_start_up(progress, plan.world_size, run_dir), steps_report.poll if steps_report else None)
@@ -183,7 +182,8 @@ class StepReport:
         self.plan, self.stream, self.steps, self.every_s = plan, stream, steps, every_s
         self.metrics_path = run_dir / METRICS_FILE
         self._follower = MetricsFollower(self.metrics_path)
-        self._logged: dict[int, list[dict[str, Any]]] = {}     # step -> the records of it so far
+        # step -> rank -> its record of it (a step run again after a restart: the newest record)
+        self._logged: dict[int, dict[int, dict[str, Any]]] = {}
         self._newest: StepLine | None = None
         self._printed_step = -1
         self._printed_at_s = -float("inf")
@@ -196,12 +196,12 @@ class StepReport:
             if not isinstance(step, int) or not isinstance(rank, int):
                 continue
             self._note_memory(rank, record)
-            records = self._logged.setdefault(step, [])
-            records.append(record)
+            records = self._logged.setdefault(step, {})
+            records[rank] = record
             if len(records) == self.plan.world_size:
                 del self._logged[step]
                 if self._newest is None or step > self._newest.step:
-                    self._newest = self._step_line(step, records)
+                    self._newest = self._step_line(step, list(records.values()))
         last = self.steps is not None and self._newest is not None and self._newest.step == self.steps - 1
         if last or time.monotonic() - self._printed_at_s >= self.every_s:
             self._print_newest()
@@ -316,74 +316,9 @@ def _wait(proc: subprocess.Popen, received: list[int], polls: Sequence[Callable[
         received.extend(forwarder.received)
 
 
-def failure_line(plan: Plan, run_dir: Path, returncode: int) -> str:
-    """One line for a failed run: the rank that failed first (`first_failure`), or torchrun's own end."""
-    log_dir = run_dir / LOG_DIR
-    if returncode < 0:
-        name = signal.Signals(-returncode).name
-        return (f"plan run: the torchrun agent was killed by {name}; its workers stopped with it "
-                f"(logs: {log_dir})")
-    launcher = (log_dir / LAUNCHER_LOG).read_text(errors="replace") if (log_dir / LAUNCHER_LOG).exists() else ""
-    first = first_failure(launcher, log_dir, plan.world_size)
-    if first is None:
-        return f"plan run: torchrun exited with code {returncode} (logs: {log_dir}/{LAUNCHER_LOG})"
-    rank, code = first
-    replica, stage = plan.stage_of_rank(rank)
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    steps = [m["step"] for m in _metrics(run_dir) if m.get("rank") == rank]
-    when = f"after step {max(steps)}" if steps else "before its first step"
-    stderr_log = _rank_log(log_dir, rank)
-    said = _last_line(stderr_log) if stderr_log else ""
-    return (f"plan run: rank {rank} (replica {replica.index} stage {stage.index} on "
-            f"{printable(stage.device_label)}, {printable(stage.device_type)}) {how} {when}"
-            f"{': ' + said if said and code > 0 else ''}; the other ranks were stopped "
-            f"(logs: {stderr_log or log_dir})")
-
-
-def first_failure(launcher: str, log_dir: Path, world_size: int) -> tuple[int, int] | None:
-    """(rank, exit code) of the rank whose failure came first, from torchrun's failure report in
-    `launcher` (its log), or None when it has none.
-
-    torchrun's "first observed failure" is the earliest by whole seconds, so a peer that failed in the same
-    second because of it (a receive that found the connection closed) may be named instead. So: of the
-    ranks the report lists, not those ended by SIGTERM (how torchrun stops the others) or that stopped
-    because of a peer (FOR_PEER_EXIT_CODE), the one whose own log was written last the earliest: the rank
-    that failed first wrote its last line (an error, or nothing more once killed) before any peer could
-    see it gone."""
-    found = ROOT_CAUSE.search(launcher)
-    root = FAILURE.search(found.group("body")) if found else None
-    if found is None or root is None:
-        return None
-    report = launcher[launcher.rfind("Failures:"):] if "Failures:" in launcher else found.group(0)
-    failures = {int(m["rank"]): int(m["code"]) for m in FAILURE.finditer(report)}
-    failures[int(root["rank"])] = int(root["code"])
-    failures = {rank: code for rank, code in failures.items() if rank < world_size}
-    if not failures:
-        return None
-    own = {rank: code for rank, code in failures.items() if code not in (-signal.SIGTERM, FOR_PEER_EXIT_CODE)}
-    if not own:
-        return int(root["rank"]), int(root["code"])
-
-    def last_written_ns(rank: int) -> int:
-        log = _rank_log(log_dir, rank)
-        return log.stat().st_mtime_ns if log is not None else 0
-    rank = min(own, key=lambda r: (last_written_ns(r), r))
-    return rank, own[rank]
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / METRICS_FILE
-    return read_metrics(path) if path.exists() else []
-
-
-def _rank_log(log_dir: Path, rank: int) -> Path | None:
-    """torchrun's stderr log of `rank` (on one machine its local rank): <log_dir>/<run>/attempt_<k>/<rank>/."""
-    found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
-    return found[-1] if found else None
-
-
-def _last_line(path: Path, most_chars: int = 600) -> str:
-    """The last line a rank wrote to its log, without torchrun's `[rankN]:` prefix."""
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in path.read_text(errors="replace").splitlines()]
-    lines = [ln for ln in lines if ln]
-    return printable(lines[-1][:most_chars]) if lines else ""
+def _keep_launcher_log(log_dir: Path) -> None:
+    """A run resumed in place: the earlier launch's log moves to launcher.<n>.log (n = 1, 2, ...)."""
+    path = log_dir / LAUNCHER_LOG
+    if path.exists():
+        taken = len(list(log_dir.glob("launcher.*.log")))
+        path.rename(log_dir / f"launcher.{taken + 1}.log")

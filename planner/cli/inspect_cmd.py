@@ -1,7 +1,8 @@
 """`plan inspect OUT`: the plan as tables, why it won, its memory and its simulated timeline.
 
 The plan is loaded checked (planner.cli.plan_files): an edited or stale plan is refused unless
-`--allow-changed`. Nothing outside the plan directory is read but the recorded spec, and that only
+`--allow-changed`. A re-planned plan's spec is taken less the devices it was made without
+(`inputs.lost_devices`). Nothing outside the plan directory is read but the recorded spec, and that only
 when its digest is the recorded one (or the spec `--cluster` names): a path edited into the plan is
 never opened, let alone printed.
 """
@@ -19,7 +20,7 @@ from planner.cli.args import OneLineParser
 from planner.cli.output_dir import write_text_atomically
 from planner.cli.plan_files import load_checked_plan, recorded_spec
 from planner.core.cluster import ClusterSpec
-from planner.core.errors import SpecError
+from planner.core.errors import OptionError, SpecError
 from planner.core.ir import Plan
 from planner.frontend.cluster import load_cluster
 
@@ -40,7 +41,7 @@ def cmd_inspect(argv: list[str]) -> int:
     args = inspect_parser().parse_args(argv)
     plan = load_checked_plan(args.out, allow_changed=args.allow_changed)
     spec_path = args.cluster or recorded_spec(plan)
-    spec = load_cluster(spec_path) if spec_path else None
+    spec = _cluster_planned_on(plan, spec_path) if spec_path else None
     if spec is not None:
         _check_devices(plan, spec, str(spec_path))
     if args.html is not None:
@@ -57,6 +58,16 @@ def cmd_inspect(argv: list[str]) -> int:
         recorded = printable(plan.inputs.cluster_path or "?")
         print(f"(no simulation: the cluster spec planned with ({recorded}) is not there or changed; pass --cluster)")
     return 0
+
+
+def _cluster_planned_on(plan: Plan, spec_path: str | Path) -> ClusterSpec:
+    """The spec at `spec_path` less the devices the plan was made without (`plan replan`)."""
+    spec = load_cluster(spec_path)
+    try:
+        return spec.without(plan.inputs.lost_devices, flag="inputs.lost_devices")
+    except OptionError as exc:
+        raise SpecError(f"not the cluster this plan was made for: {exc.message}", file=str(spec_path),
+                        fix="pass the spec the plan was made for with --cluster") from exc
 
 
 def _check_devices(plan: Plan, spec: ClusterSpec, file: str) -> None:

@@ -6,6 +6,7 @@
     plan run OUT [--steps N --seed S --lr X]       run the emitted program locally (torchrun)
     plan profile [--out FILE] [--model M] [--quick]  measure this machine; `plan --calibration FILE` uses it
     plan export OUT --onnx DIR                     each stage as ONNX, checked in onnxruntime
+    plan replan OUT --without LABEL -o OUT2        the same model and options on the cluster less lost devices
 
 Each command is a module of its own, imported on demand: `plan run --help` need not import the planner.
 Every error a user can act on is one line on stderr and an exit code: 2 bad input (model file, spec,
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 from planner.core.errors import HetplanError
 
-SUBCOMMANDS = ("inspect", "diff", "run", "profile", "export")
+SUBCOMMANDS = ("inspect", "diff", "run", "profile", "export", "replan")
 INTERRUPTED_EXIT_CODE = 130   # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE, as for any command whose reader went away
 
@@ -46,6 +47,10 @@ def _command(name: str) -> Callable[[list[str]], int]:
         from planner.cli.export_cmd import cmd_export
 
         return cmd_export
+    if name == "replan":
+        from planner.cli.replan_cmd import cmd_replan
+
+        return cmd_replan
     from planner.cli.plan_cmd import cmd_plan
 
     return cmd_plan

@@ -2,12 +2,21 @@
 
 `planner.frontend.cluster.load_cluster` builds them from a spec file; every layer after it works on
 these frozen dataclasses and never reads YAML again.
+
+Lost devices (`ClusterSpec.without`, for `plan replan`): the cluster less some devices keeps every
+label (`group/node:local`): the program maps a label to a device by its local index, so losing
+fast/0:0 must not make fast/0:1 another device. A node group whose nodes lost devices is split into
+node groups of the nodes that kept the same devices (each node group stays uniform: every consumer of
+`per_node`, the cost tables, the search, assembly, sees the real count of its nodes), each naming its
+nodes (`NodeGroup.nodes`) and the local indices they kept (`NodeGroup.locals`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from planner.core.errors import OptionError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
@@ -26,6 +35,7 @@ class DeviceType:
     base: str | None = None                # catalog type this one derives from (spec `base:`)
     source: str = ""                       # datasheet / measurement the figures come from
     price_per_hour: float | None = None
+    mtbf_hours: float | None = None        # mean time between failures of one device (spec); None: unknown
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s at `precision`, falling back to fp32 where the type lacks it."""
@@ -51,13 +61,19 @@ class Link:
 
 @dataclass(frozen=True)
 class NodeGroup:
-    """`count` identical nodes, each with `per_node` devices joined by `intra_link`."""
+    """`count` identical nodes, each with `per_node` devices joined by `intra_link`.
+
+    `nodes` and `locals` are empty in a spec as written (its nodes numbered on from the groups before
+    it, local indices 0..per_node-1); a cluster less lost devices names them: the cluster's node
+    indices of this group's nodes, and the local indices each of them still has (len == per_node)."""
 
     name: str
     count: int
     device: DeviceType
     per_node: int
     intra_link: Link
+    nodes: tuple[int, ...] = ()
+    locals: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,23 +93,35 @@ class Device:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """A validated cluster: node groups in spec order and the network between nodes."""
+    """A validated cluster: node groups in spec order and the network between nodes.
+
+    `lost`: labels of the spec's devices this cluster is without (`without`), sorted; its node groups
+    then hold only the devices left."""
 
     name: str
     nodes: tuple[NodeGroup, ...]
     inter_node: Link
     source_path: str = ""
     device_types: Mapping[str, DeviceType] = field(default_factory=dict)
+    storage_write_bytes_s: float | None = None    # per node, to checkpoint storage (spec `storage:`)
+    lost: tuple[str, ...] = ()
 
     def devices(self) -> list[Device]:
-        """Every device, in spec order (node group, node, local index)."""
-        out: list[Device] = []
-        node_index = 0
-        for group in self.nodes:
-            for _ in range(group.count):
-                for local in range(group.per_node):
-                    out.append(Device(len(out), group.name, node_index, local, group.device))
-                node_index += 1
+        """Every device, in (node, local index) order; `index` is the position in this list (lost
+        devices have none), `label` the spec's."""
+        places = sorted((node, local, gi) for gi, node, locals_ in self._node_places() for local in locals_)
+        return [Device(i, self.nodes[gi].name, node, local, self.nodes[gi].device)
+                for i, (node, local, gi) in enumerate(places)]
+
+    def _node_places(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(node group's position, node index, local indices) of every node, in group order."""
+        out: list[tuple[int, int, tuple[int, ...]]] = []
+        next_node = 0
+        for gi, group in enumerate(self.nodes):
+            nodes = group.nodes or tuple(range(next_node, next_node + group.count))
+            locals_ = group.locals or tuple(range(group.per_node))
+            out.extend((gi, node, locals_) for node in nodes)
+            next_node = max(nodes, default=next_node - 1) + 1
         return out
 
     @property
@@ -107,8 +135,42 @@ class ClusterSpec:
         return self.inter_node
 
     def group(self, name: str) -> NodeGroup:
-        """The node group called `name` (KeyError if there is none)."""
+        """The (first) node group called `name` (KeyError if there is none)."""
         for g in self.nodes:
             if g.name == name:
                 return g
         raise KeyError(name)
+
+    def without(self, labels: Iterable[str], flag: str = "--without") -> ClusterSpec:
+        """This cluster less the devices labelled `labels` (see the module docstring); raises OptionError
+        naming `flag` for a label it does not have, or when no device would be left."""
+        labels = tuple(dict.fromkeys(labels))
+        have = {d.label for d in self.devices()}
+        unknown = [label for label in labels if label not in have]
+        if unknown:
+            known = sorted(have, key=_label_order)
+            listed = ", ".join(known[:8]) + (f", ... ({len(known)} in all)" if len(known) > 8 else "")
+            raise OptionError(f"the cluster has no device {unknown[0]!r}"
+                              + (" (lost already)" if unknown[0] in self.lost else ""), field=flag,
+                              fix=f"name devices as group/node:local, one of: {listed}")
+        if not labels:
+            return self
+        gone = set(labels)
+        if gone >= have:
+            raise OptionError(f"that removes every device of the cluster ({len(have)})", field=flag,
+                              fix="leave at least one device to plan on, or give a new spec with --cluster")
+        kept: dict[tuple[int, tuple[int, ...]], list[int]] = {}   # (group position, locals kept) -> its nodes
+        for gi, node, locals_ in self._node_places():
+            left = tuple(local for local in locals_ if f"{self.nodes[gi].name}/{node}:{local}" not in gone)
+            if left:
+                kept.setdefault((gi, left), []).append(node)
+        groups = tuple(replace(self.nodes[gi], count=len(nodes), per_node=len(left), nodes=tuple(nodes), locals=left)
+                       for (gi, left), nodes in sorted(kept.items(), key=lambda item: item[1][0]))
+        return replace(self, nodes=groups, lost=tuple(sorted(set(self.lost) | gone, key=_label_order)))
+
+
+def _label_order(label: str) -> tuple[int, int, str]:
+    """Labels `group/node:local` by node, then local index."""
+    group, _, place = label.rpartition("/")
+    node, _, local = place.partition(":")
+    return (int(node), int(local), group) if node.isdigit() and local.isdigit() else (1 << 62, 0, label)

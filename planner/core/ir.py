@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from planner.core.errors import PlanFileError
+from planner.core.plan_records import CheckpointAdvice, Lineage
 
 SCHEMA_VERSION = 1
 OPTIONAL = {"omit_default": True}    # field metadata: left out of the file at its default
@@ -190,6 +191,9 @@ class PlanInputs:
     options: tuple[tuple[str, str], ...]
     trace_batch: int
     model_input_names: tuple[str, ...] = ()
+    # labels of the spec's devices the plan was made without (`plan replan --without`): the cluster planned
+    # on is the spec less these (ClusterSpec.without), and its device indices count the devices left
+    lost_devices: tuple[str, ...] = field(default=(), metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,10 @@ class Plan:
     # planner.api: why a run of this plan will not equal training on one process though it runs (BatchNorm
     # statistics per micro-batch, dropout masks per rank: passes.stage_check.training_notes), one line each
     warnings: tuple[str, ...] = field(default=(), metadata=OPTIONAL, compare=False)
+    # planner.replanning: the plan this one re-plans on fewer devices (or a new spec); a record, as `comm`
+    lineage: Lineage | None = field(default=None, metadata=OPTIONAL, compare=False)
+    # costmodel.checkpoint: a checkpoint's cost and the interval it suggests; a record, as `comm`
+    checkpoint: CheckpointAdvice | None = field(default=None, metadata=OPTIONAL, compare=False)
 
     def stage_of_rank(self, rank: int) -> tuple[ReplicaPlan, StagePlan]:
         for replica in self.replicas:

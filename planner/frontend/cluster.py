@@ -5,6 +5,10 @@ from the catalog (costmodel.catalog). Names are checked at this edge: node-group
 names are safe names (planner.core.fields.NAME_PATTERN: they become device labels `group/node:local`,
 launch.sh comments, logs and report cells), the cluster's `name` is one line of printable text, and
 a spec describes at most MAX_DEVICES devices.
+
+Reliability and storage, for the checkpoint interval (costmodel.checkpoint): a device type (under
+`devices:`) or a node group may give `mtbf_hours`, one device's mean time between failures in hours;
+`storage: {write_gbyte_s: X}` is the write bandwidth per node to checkpoint storage.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ MAX_NAME_CHARS = 120            # the cluster's `name`, free text
 
 _LINK_KEYS = ("kind", "bandwidth_gbyte_s", "latency_us")
 _NETWORK_KEYS = ("kind", "bandwidth_gbit_s", "latency_us")
-_NODE_KEYS = ("name", "count", "device", "per_node", "intra_link", "price_per_hour")
+_NODE_KEYS = ("name", "count", "device", "per_node", "intra_link", "price_per_hour", "mtbf_hours")
+_STORAGE_KEYS = ("write_gbyte_s",)
 _NETWORK_EXAMPLE = "network: {inter_node: {kind: roce, bandwidth_gbit_s: 100, latency_us: 5}}"
 
 
@@ -33,14 +38,30 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 
     A node group's `price_per_hour` is per device-hour and lands on that group's `device` only."""
     file = str(path)
-    top = Fields(file, read_yaml(Path(path), file), "", ("name", "devices", "nodes", "network"),
+    top = Fields(file, read_yaml(Path(path), file), "", ("name", "devices", "nodes", "network", "storage"),
                   ("nodes",), "the cluster spec")
     name = top.text("name", Path(path).stem[:MAX_TEXT_CHARS], max_chars=MAX_NAME_CHARS)
     catalog, links = load_catalog(), load_links()
     known = {**catalog, **_declared_types(top, catalog)}
     groups = _node_groups(top, known, links)
     return ClusterSpec(name, groups, _inter_node(top, groups, links),
-                       source_path=file, device_types={g.device.name: known[g.device.name] for g in groups})
+                       source_path=file, device_types={g.device.name: known[g.device.name] for g in groups},
+                       storage_write_bytes_s=_storage_write_bytes_s(top))
+
+
+def _storage_write_bytes_s(top: Fields) -> float | None:
+    """`storage: {write_gbyte_s: X}`: each node's write bandwidth to checkpoint storage (None: not given)."""
+    if "storage" not in top.data:
+        return None
+    storage = top.sub("storage", _STORAGE_KEYS, _STORAGE_KEYS, "checkpoint storage {write_gbyte_s}")
+    return storage.number("write_gbyte_s") * BYTES_S_PER_GBYTE_S
+
+
+def _with_mtbf(device: DeviceType, fields: Fields) -> DeviceType:
+    """`device` with the `mtbf_hours` that `fields` give (a positive number of hours), if they give one."""
+    if "mtbf_hours" not in fields.data:
+        return device
+    return replace(device, mtbf_hours=fields.number("mtbf_hours"))
 
 
 def _declared_types(top: Fields, catalog: Mapping[str, DeviceType]) -> dict[str, DeviceType]:
@@ -52,11 +73,12 @@ def _declared_types(top: Fields, catalog: Mapping[str, DeviceType]) -> dict[str,
     for name, raw in section.data.items():
         check_name(name, "device type", top.file, section.at(name))
         derived = isinstance(raw, dict) and "base" in raw
-        fields = section.sub(name, ("base", "slowdown", *DEVICE_KEYS), () if derived else FIGURES,
+        fields = section.sub(name, ("base", "slowdown", "mtbf_hours", *DEVICE_KEYS), () if derived else FIGURES,
                              f"device type {name}")
         base = catalog[fields.choice("base", catalog, "catalog device")] if derived else None
         note = f"{'derived from ' + base.name if base else 'declared'} in {Path(top.file).name}"
-        declared[name] = device_type(name, fields, base, f"{base.source}; {note}" if base else note)
+        declared[name] = _with_mtbf(device_type(name, fields, base, f"{base.source}; {note}" if base else note),
+                                    fields)
     return declared
 
 
@@ -85,6 +107,7 @@ def _node_groups(top: Fields, known: dict[str, DeviceType], links: dict[str, Lin
         device = known[fields.choice("device", known, "device", "; or declare it under `devices:`")]
         if "price_per_hour" in fields.data:
             device = replace(device, price_per_hour=fields.number("price_per_hour", positive=False))
+        device = _with_mtbf(device, fields)
         groups.append(NodeGroup(name, count, device, per_node, _intra_link(fields, per_node, links)))
     return tuple(groups)
 

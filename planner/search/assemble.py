@@ -67,17 +67,27 @@ def _take(free: dict[int, list[Device]], count: int, per_node: int) -> list[Devi
     return taken[:count]
 
 
+def _class_of_node(spec: ClusterSpec, tables: CostTables) -> dict[int, int]:
+    """The device class (costmodel.tables: one per node group, in spec order) of each node. A cluster
+    less lost devices has several node groups of one name (planner.core.cluster), told apart by node."""
+    if len(spec.nodes) != len(tables.classes):
+        raise PlanningError(f"the cost tables have {len(tables.classes)} device classes for {len(spec.nodes)} "
+                            "node groups", file=spec.source_path, fix="cost the cluster the plan is assembled on")
+    first = {d.node: d for d in spec.devices()}
+    out: dict[int, int] = {}
+    for ci, group in enumerate(spec.nodes):
+        nodes = group.nodes or tuple(n for n, d in first.items() if d.group == group.name)
+        out.update((n, ci) for n in nodes)
+    return out
+
+
 def _allocate(spec: ClusterSpec, tables: CostTables, choices: tuple[Choice, ...]) -> list[_Replica]:
     """Give each replica devices: pipelines across classes first (each portion inside one node when
     it fits in one, else whole nodes), then each class's pipelines, deepest first."""
-    free: list[dict[int, list[Device]]] = []
-    all_devices = spec.devices()
-    for table in tables.classes:
-        pool: dict[int, list[Device]] = {}
-        for d in all_devices:
-            if d.group == table.name:
-                pool.setdefault(d.node, []).append(d)
-        free.append(pool)
+    free: list[dict[int, list[Device]]] = [{} for _ in tables.classes]
+    class_of_node = _class_of_node(spec, tables)
+    for d in spec.devices():
+        free[class_of_node[d.node]].setdefault(d.node, []).append(d)
     order = sorted(choices, key=lambda c: (not c.config.stage_classes, c.config.cls, -c.config.num_stages))
     replicas: list[_Replica] = []
     for choice in order:
@@ -160,7 +170,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank, sender.boundary_bytes[lo - 1], codec,
                                    block_elems=compression.INT8_BLOCK_ELEMS if codec == "int8" else 0))
             rank += 1
-        group = "+".join(tables.classes[ci].name for ci in dict.fromkeys(cfg.classes))
+        group = "+".join(dict.fromkeys(tables.classes[ci].name for ci in cfg.classes))
         replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule, rep.time_s()))
 
     all_devices = spec.devices()

@@ -126,6 +126,14 @@ class GradientSync:
             self.exchanges.append(exchange)
         return handed
 
+    def compressors(self) -> dict[int, GradientCompressor]:
+        """Plan group index -> the compressor whose state carries across steps (PowerSGD's P/Q and error
+        feedback, 1-bit error feedback), also those handed to 1-bit Adam's momentum exchanges: what a
+        checkpoint saves per group and rank."""
+        held = {group.plan.index: group.compressor for group in self.groups if group.compressor is not None}
+        held.update({exchange.key: exchange.compressor for exchange in self.exchanges})
+        return held
+
     def sync(self, skip: Collection[int] = ()) -> None:
         """Replace every held gradient by its sum over the group (compressed where the plan says),
         except in the groups whose plan index is in `skip` (their momentum is exchanged instead)."""

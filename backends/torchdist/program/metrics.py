@@ -10,6 +10,11 @@ line, or a line that is not a JSON record; `MetricsFollower` reads the lines add
 Each line also holds this rank's memory, added by `MetricsLog.log` itself: the measured peak
 (memory.peak_memory_fields: VmHWM on CPU, the CUDA allocator's allocated and reserved peaks) beside
 the plan's estimate for the rank (`estimated_memory_bytes`, its stage's `memory_bytes`).
+
+A run with --rebalance (rebalance.py) adds to every line the replicas' measured compute seconds per row
+(`replica_s_per_row`), and to the lines of a step after which it re-solved the batch shares a
+`rebalance` record (`RebalanceRecord`): the step, the old and the new shares, the figures the solver saw,
+whether the new shares were applied from the next step, and why not when they were refused.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +57,26 @@ def append_line(fd: int, line: bytes, path: str) -> None:
     raise MetricsWriteError(f"the disk took {written} of the {len(line)} bytes of a metrics line "
                             f"({'removed again' if removed else 'left torn'})", file=path,
                             fix="free disk space or pass --out a folder with room")
+
+
+@dataclass(frozen=True)
+class RebalanceRecord:
+    """One re-solve of the batch shares, as every rank logs it on the line of `step`."""
+
+    step: int                           # the last step on the old shares; the new ones train from step + 1
+    old_shares: tuple[int, ...]         # rows per replica, plan order
+    new_shares: tuple[int, ...]
+    new_micro_batch_sizes: tuple[tuple[int, ...], ...]   # per replica, its new shares' micro-batches
+    seconds_per_row: tuple[float, ...]  # per replica, as the solver saw it (window medians, rebalance.speeds_of)
+    seconds_per_micro_batch: tuple[float, ...]
+    predicted_old_s: float              # the slowest replica's predicted step time on the old shares
+    predicted_new_s: float              # ... on the new ones
+    applied: bool
+    refused: str | None = None          # why the new shares were not applied (their communication)
+
+    def fields(self) -> dict[str, Any]:
+        """The record as a metrics line's `rebalance` field."""
+        return {"rebalance": asdict(self)}
 
 
 class MetricsLog:

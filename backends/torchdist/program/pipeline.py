@@ -5,10 +5,15 @@ torch.distributed.pipelining is not used because a plan here has replicas with d
 and micro-batch sizes (so different shapes per replica) and skip connections that jump over stages;
 both need per-value routing that PipelineStage does not offer. Every value crossing a boundary is sent
 from its producer to each consumer stage, and its gradient comes back the same way.
+
+What a step runs is read from the executor's plan, context, graphs and rows at the step's start, so
+`replace_plan` may swap them between two steps (rebalance.py: new batch shares, applied without a
+restart); the parameters, and with them the optimizer and the gradient sync, stay.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +32,7 @@ from .data import ReplicaData
 from .p2p import P2P, tag
 from .process_group import Context
 from .rows import MicroBatch
-from .slowdown import Slowdown
+from .slowdown import Slowdown, no_drift
 from .stages import StageGraphs
 
 
@@ -45,16 +50,18 @@ class StageExecutor:
     """This rank's stage: its parameters (`params`, by the plan's names), its graphs (one per micro-batch
     size), its rows (`data`: what this stage reads of each step) and its schedule.
 
-    `cpu_autocast`: apply the plan's bf16/fp16 precision on CPU ranks too (see precision.py).
+    `cpu_autocast`: apply the plan's bf16/fp16 precision on CPU ranks too (see precision.py). `drift(step)`:
+    the factor on the planned emulated slowdown at each step (slowdown.py; an injected `slow` fault).
     """
 
     def __init__(self, plan: Plan, ctx: Context, model_file: frontend.ModelFile, graphs: StageGraphs,
-                 params: dict[str, nn.Parameter], data: ReplicaData, *, cpu_autocast: bool = False) -> None:
+                 params: dict[str, nn.Parameter], data: ReplicaData, *, cpu_autocast: bool = False,
+                 drift: Callable[[int], float] = no_drift) -> None:
         self.plan, self.ctx, self.model_file, self.data = plan, ctx, model_file, data
         self.graphs = graphs          # this rank's stage installed (stages.StageGraphs.install)
         self.params = params
         self.p2p = P2P()
-        self.slowdown = Slowdown(ctx.stage.slowdown, ctx.device, self.p2p)
+        self.slowdown = Slowdown(ctx.stage.slowdown, ctx.device, self.p2p, drift)
         self.compute_dtype = precision.stage_compute_dtype(ctx.stage, cpu_autocast)
         self.scaler = (precision.LossScaler(ctx.device)
                        if precision.needs_loss_scaling(plan, cpu_autocast) else None)
@@ -63,10 +70,23 @@ class StageExecutor:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params.values())
 
+    def replace_plan(self, plan: Plan, ctx: Context, graphs: StageGraphs, data: ReplicaData) -> None:
+        """Run the next steps by `plan` (the same stages, devices and schedules; other batch shares and
+        micro-batches): `ctx` its view of this rank, `graphs` this stage at its micro-batch sizes with
+        this executor's parameters installed, `data` its rows. The old rows' readers are stopped."""
+        if ctx.stage != self.ctx.stage or ctx.replica.stages != self.ctx.replica.stages:
+            raise ValueError(f"rank {ctx.rank}: a replaced plan keeps every stage as it is")
+        old = self.data
+        self.plan, self.ctx, self.graphs, self.data = plan, ctx, graphs, data
+        self.edges = edge_codecs(plan, ctx.replica.index)
+        if old is not data:
+            old.close()
+
     def train_step(self, step: int) -> float:
         """Forward and backward of this rank's stage for every micro-batch of step `step`; returns the
         loss contribution of this rank (last stages: share-weighted mean over their rows)."""
         ctx = self.ctx
+        self.slowdown.begin_step(step)
         micro = self.data.micro_batches(step)
         actions = sched.make(ctx.replica.schedule, ctx.num_stages, len(micro))[ctx.stage.index]
         saved: dict[int, dict[str, Any]] = {}

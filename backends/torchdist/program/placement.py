@@ -8,7 +8,8 @@ torchrun's own RANK cannot be trusted to be the plan's: its c10d rendezvous orde
 hostname and pid, not by `--node-rank`, and plan ranks need not be node-major. So with
 HETPLAN_NODE_RANK set, the plan rank is the LOCAL_RANK-th planned process of that node, and the process
 group is joined with it (process_group.init). Without it (one machine emulating the whole cluster:
-`plan run`, or launch.sh without NODE_RANK) the plan rank is torchrun's RANK.
+`plan run`, or launch.sh without NODE_RANK) the plan rank is torchrun's RANK, and a plan of one node runs
+each rank on the GPU its label names (`n/0:1`: GPU 1, also when GPU 0 was lost and re-planned without).
 
 Before anything is built, `resolve` checks that this agent started the processes the plan runs on its
 node and that the world is the plan's; `check_gpu` that a CUDA rank's GPU is the type the plan put
@@ -109,7 +110,8 @@ def resolve(plan: Plan, env: Mapping[str, str] = os.environ) -> Placement:
     local_rank = _int_env(env, "LOCAL_RANK", 0)
     if not env.get(NODE_RANK_ENV):
         _check_world(plan, world, "run `plan run PLAN_DIR`, or ./launch.sh without NODE_RANK on one machine")
-        return Placement(_int_env(env, "RANK", 0), local_rank, None, local_rank)
+        rank = _int_env(env, "RANK", 0)
+        return Placement(rank, local_rank, None, _standalone_device(plan, nodes, rank, local_rank))
     node_rank = _int_env(env, NODE_RANK_ENV, 0)
     ranks = f"node ranks 0..{len(nodes) - 1}"
     if node_rank >= len(nodes):
@@ -128,6 +130,15 @@ def resolve(plan: Plan, env: Mapping[str, str] = os.environ) -> Placement:
             fix=f"start this node with `NODE_RANK={node_rank} ./launch.sh`{hint}")
     _check_world(plan, world, f"start each of the plan's nodes with `NODE_RANK=k ./launch.sh`, k in {ranks}")
     return Placement(node.ranks[local_rank], local_rank, node, node.local_devices[local_rank])
+
+
+def _standalone_device(plan: Plan, nodes: list[PlannedNode], rank: int, local_rank: int) -> int:
+    """The CUDA index of `rank` started without HETPLAN_NODE_RANK: on a plan of one node, its label's local
+    index (a plan re-planned without a lost GPU 0 runs on GPUs 1.. as labelled); a machine standing in
+    for several nodes numbers its devices by local rank."""
+    if len(nodes) == 1 and 0 <= rank < plan.world_size:
+        return parse_label(rank_labels(plan)[rank])[2]
+    return local_rank
 
 
 def _check_world(plan: Plan, world: int, fix: str) -> None:

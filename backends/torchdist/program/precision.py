@@ -20,7 +20,7 @@ It is torch's `ShardedGradScaler`, a `torch.amp.GradScaler` whose inf check is a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -84,6 +84,15 @@ class LossScaler:
         self.scaler.unscale_(optimizer)
         found = self.scaler._found_inf_per_device(optimizer)   # all-reduced by unscale_
         return sum(float(v.item()) for v in found.values()) > 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The scale and its growth state (GradScaler.state_dict: scale, factors, interval, tracker),
+        the same on every rank: what a checkpoint keeps so a resumed run scales as it would have."""
+        return dict(self.scaler.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        """Continue with the scale of `state_dict()` (torch writes it into the live scale tensor)."""
+        self.scaler.load_state_dict(dict(state))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer step unless an inf was found (then skipped on every rank), then update the scale."""

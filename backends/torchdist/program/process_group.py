@@ -5,7 +5,8 @@ process: over torchrun's store any permutation of ranks forms the same group. Wh
 
   HETPLAN_STORE=host:port   `plan run`'s own store, bound to 127.0.0.1 only (a torch TCPStore server
                             listens on every interface unless handed a bound socket); used as a client
-  MASTER_ADDR / MASTER_PORT torchrun's store (env://), as launch.sh starts it on a cluster
+  MASTER_ADDR / MASTER_PORT torchrun's store, as launch.sh starts it on a cluster, keyed under the
+                            launcher's attempt (TORCHELASTIC_RESTART_COUNT): it outlives a restart
   neither, one process      an in-process store: `python -m program.train` of a one-device plan
 
 The timeout (train.py --timeout) bounds every collective and receive, so a hung or dead peer ends the
@@ -26,8 +27,13 @@ from planner.core.ir import Plan, ReplicaPlan, StagePlan
 from .placement import LaunchError, Placement, uses_cuda
 
 STORE_ENV = "HETPLAN_STORE"
-# the exit code of a rank that stops because another rank failed: `plan run` names the one that did
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"   # torchrun's attempt, 0 first
+# A rank that stops because another rank failed exits with FOR_PEER_EXIT_CODE, and only after
+# FOR_PEER_EXIT_DELAY_S: torchrun names the first failure it observes (to the second), and this rank
+# seeing its peer gone, a lost connection, is often quicker than torchrun seeing the peer's end. The
+# delay lets the launcher see the rank that failed first, and stop this one with SIGTERM meanwhile.
 FOR_PEER_EXIT_CODE = 5
+FOR_PEER_EXIT_DELAY_S = 2.0
 
 
 @dataclass
@@ -58,20 +64,28 @@ class Context:
 
 
 def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
-    """The store to rendezvous over, or None for torchrun's (env://)."""
+    """The store to rendezvous over: `plan run`'s, torchrun's under a prefix of its attempt, an in-process one
+    for a one-process plan run by hand; None for env:// outside torchrun."""
     address = os.environ.get(STORE_ENV, "")
     if address:
         host, _, port = address.rpartition(":")
         client = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = os.environ.get(RESTART_ENV, "0")
         return dist.PrefixStore(f"hetplan/{run}/{attempt}/", client)
     if "MASTER_ADDR" not in os.environ:
         if world != 1:
             raise LaunchError(f"the plan runs {world} processes and this one was not started by torchrun",
                               file="train.py", fix="start it with ./launch.sh or `plan run PLAN_DIR`")
         return dist.HashStore()
-    return None
+    if RESTART_ENV not in os.environ:
+        return None
+    # torchrun's store outlives a restart of the group (its agent's, shared with the workers), and env://
+    # keys it without the attempt: a restarted group would read the addresses of the dead one's ranks
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"hetplan/attempt/{os.environ[RESTART_ENV]}/", store)
 
 
 def init(plan: Plan, placement: Placement, timeout_s: float) -> Context:

@@ -21,7 +21,11 @@ The training contract (the same as backends/torchdist/reference.py on one proces
 - stages compute in the plan's precision on CUDA (bf16 / fp16 autocast, fp16 with loss scaling shared
   by all ranks); CPU ranks stay fp32 unless --cpu-autocast;
 - each step appends one JSON line per rank to <out>/metrics.jsonl; --save-final writes each rank's
-  parameters to <out>/final/rank<r>.pt.
+  parameters to <out>/final/rank<r>.pt;
+- with --checkpoint-every N the state after every N steps is saved by torch.distributed.checkpoint in the
+  background (checkpoint.py: <out>/ckpt/step_<N>/, complete once marked), keyed by the model's names
+  (checkpoint_state.py); --resume (or a restart by torchrun) continues from the latest complete one bit
+  for bit, and --resume-from loads one of another plan of the same model.
 """
 
 # ruff: noqa: E402  (the imports follow the package set-up and the lifeline, which must come first)
@@ -56,8 +60,11 @@ from planner.core.errors import HetplanError
 from planner.core.ir import Plan
 
 from . import (
+    checkpoint,
+    checkpoint_state,
     comm_check,
     data,
+    faults,
     gradsync,
     layout,
     materialise,
@@ -66,7 +73,9 @@ from . import (
     optimizers,
     pipeline,
     placement,
+    precision,
     process_group,
+    rebalance,
     stages,
     weights,
 )
@@ -99,13 +108,35 @@ def parse_args(plan: Plan, here: Path, argv: list[str] | None) -> argparse.Names
                    help="the data file or folder the model file's dataset() reads (as HETPLAN_DATA)")
     p.add_argument("--no-device-check", action="store_true",
                    help="run on GPUs of another type than planned (the plan's times and memory do not hold)")
+    p.add_argument("--fault", action="append", default=[], type=faults.parse,
+                   help=f"inject a fault (tests and benchmarks; repeatable): {faults.FORMAT}")
+    # rebalancing: re-solve the batch shares when replicas drift (rebalance.py)
+    p.add_argument("--rebalance", action="store_true",
+                   help="measure each replica's speed every step and move rows away from a replica that slowed "
+                        "down, without a restart (rebalance.py)")
+    # checkpoints and resume (checkpoint.py, checkpoint_state.py)
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save a checkpoint (torch.distributed.checkpoint) every N steps (default 0: none)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="where the checkpoints go, one step_<N> folder each (default: <--out>/ckpt)")
+    p.add_argument("--keep-checkpoints", type=int, default=checkpoint.DEFAULT_KEEP,
+                   help="complete checkpoints kept; older ones are deleted once a new one completes")
+    p.add_argument("--sync-checkpoint", action="store_true",
+                   help="write checkpoints within the step (default: stage a copy, write in the background)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint under --checkpoint-dir (also done after "
+                        "a restart by torchrun, when there is one)")
+    p.add_argument("--resume-from", type=Path, default=None,
+                   help="continue from this checkpoint: a checkpoint folder (its latest complete step) or one "
+                        "step_<N> folder, possibly of another plan of the same model")
     return p.parse_args(argv)
 
 
-def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.ModelFile,
-                args: argparse.Namespace) -> tuple[stages.StageGraphs, dict[str, torch.nn.Parameter]]:
+def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.ModelFile, args: argparse.Namespace,
+                ) -> tuple[stages.StageGraphs, dict[str, torch.nn.Parameter], dict[str, torch.Tensor]]:
     """This rank's stage, ready to train: the model built and traced on meta at its replica's micro-batch
-    sizes, and only this stage's tensors given values (the init contract, materialise.py) on its device."""
+    sizes, and only this stage's tensors given values (the init contract, materialise.py) on its device.
+    Returns the graphs, the stage's parameters and all its tensors (parameters and buffers) by name."""
     meta = materialise.build_meta(model_file, args.seed)
     graphs = stages.StageGraphs(meta, model_file, [s.last_node for s in ctx.replica.stages],
                                 ctx.replica.micro_batch_sizes, lambda rows: data.meta_inputs(model_file, rows),
@@ -118,7 +149,7 @@ def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.Mod
                           weights.tied_aliases(meta.module), model_names=list(expected))
     graphs.install(ctx.stage.index, values)
     params = {name: values[name] for name in ctx.stage.params}
-    return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}
+    return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}, values
 
 
 def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Namespace) -> None:
@@ -141,18 +172,29 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
     if args.data is not None:
         os.environ[data.DATA_ENV] = str(args.data.resolve())
     model_file = frontend.load_model_file(here / "model.py", functions)
-    graphs, params = start_stage(plan, ctx, model_file, args)
+    graphs, params, tensors = start_stage(plan, ctx, model_file, args)
     rows = data.ReplicaData(model_file, plan, ctx.replica.index, ctx.device, seed=args.seed, steps=args.steps,
                             needs=data.stage_needs(graphs.split_at(graphs.sizes[0]), ctx.stage.index, ctx.is_last))
-    executor = pipeline.StageExecutor(plan, ctx, model_file, graphs, params, rows, cpu_autocast=args.cpu_autocast)
+    faults.check_devices(args.fault, plan.devices)
+    fault_set = faults.Faults(args.fault, plan.devices[ctx.rank])
+    executor = pipeline.StageExecutor(plan, ctx, model_file, graphs, params, rows, cpu_autocast=args.cpu_autocast,
+                                      drift=fault_set.slowdown)     # `slow` faults change the padding
+    rebalancer = rebalance.Rebalancer(executor, seed=args.seed, steps=args.steps) if args.rebalance else None
     comm_check.check(plan, ctx, graphs, graphs.meta.module)   # only the verified communication
     grad_sync = gradsync.GradientSync(list(plan.grad_groups), ctx.grad_groups, executor.params)
     freeze_step = (optimizers.onebit_freeze_step(plan, args.steps) if args.onebit_freeze_step is None
                    else args.onebit_freeze_step)
     optimizer = optimizers.make_stage_optimizer(args.optimizer, executor.parameters(), grad_sync, args.lr,
                                                 onebit_freeze_step=freeze_step)
+    # checkpoints and resume (checkpoint.py, checkpoint_state.py): the state restored in place, then saved
+    state = _rank_state(plan, ctx, args, graphs, tensors, optimizer, grad_sync, executor.scaler)
+    saver = _checkpointer(plan, ctx, args, fault_set)
+    first_step = _resume(ctx, args, state)
     log = metrics.MetricsLog(args.out, ctx)
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
+        fault_set.before_step(step, saver.wait if saver else lambda: None)   # an injected `kill` dies here
+        if saver is not None:
+            saver.poll()                                    # rank 0 marks a finished background save complete
         start = time.perf_counter()
         executor.p2p.reset_counters()
         grad_sync.reset_counters()
@@ -161,6 +203,7 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
             grad_sync, executor.parameters(), optimizer, executor.scaler)
         optimizers.optimizer_step(optimizer, executor.scaler)   # (skipped everywhere on fp16 overflow;
         optimizer.zero_grad(set_to_none=False)                  #  1-bit Adam exchanges momentum here)
+        rebalanced = rebalancer.after_step(step) if rebalancer else {}   # new shares apply from the next step
         step_time_s = time.perf_counter() - start
         loss = torch.tensor([contribution], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(loss)                               # mean over the global batch
@@ -169,15 +212,74 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
                 p2p_bytes=executor.p2p.bytes_sent, grad_bytes=grad_sync.step_grad_bytes(),
                 grad_wire_bytes=sum(by_group.values()), grad_wire_bytes_by_group=by_group,
                 compute_dtype=str(executor.compute_dtype).removeprefix("torch."),
-                loss_scale=executor.scaler.scale if executor.scaler else None, skipped_step=skipped)
+                loss_scale=executor.scaler.scale if executor.scaler else None, skipped_step=skipped,
+                **rebalanced)
+        if saver is not None and saver.due(step + 1):       # the state after step + 1 completed steps
+            saver.save(step + 1, checkpoint_state.collect(state, step + 1))
+    if saver is not None:
+        saver.close()                                       # the last save finished and marked
     log.close()
     if args.save_final:
         stages.save_parameters(executor.params, args.out / "final" / f"rank{ctx.rank}.pt")
     dist.barrier()
-    rows.close()
+    executor.data.close()                                   # the rows of the last shares
     del executor, optimizer, grad_sync
     gc.collect()                                            # release gloo work before teardown
     dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- checkpoints and resume
+
+
+def _rank_state(plan: Plan, ctx: process_group.Context, args: argparse.Namespace, graphs: stages.StageGraphs,
+                tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, grad_sync: gradsync.GradientSync,
+                scaler: precision.LossScaler | None) -> checkpoint_state.RankState:
+    """What a checkpoint of this rank holds, by the model's names (a tied tensor under one of them)."""
+    canonical = checkpoint_state.canonical_names(graphs.meta.module)
+    return checkpoint_state.RankState(
+        tensors={canonical.get(name, name): t for name, t in tensors.items()}, optimizer=optimizer,
+        compressors=grad_sync.compressors(), scaler=scaler, rank=ctx.rank, device=ctx.device, seed=args.seed,
+        optimizer_name=args.optimizer, plan_digest=checkpoint_state.plan_digest(plan),
+        plan_compresses=any(g.compressor != "none" for g in plan.grad_groups))
+
+
+def _checkpoint_root(args: argparse.Namespace) -> Path:
+    return args.checkpoint_dir if args.checkpoint_dir is not None else args.out / checkpoint.CHECKPOINT_DIR
+
+
+def _checkpointer(plan: Plan, ctx: process_group.Context, args: argparse.Namespace,
+                  fault_set: faults.Faults) -> checkpoint.Checkpointer | None:
+    """The saver of --checkpoint-every (None without it); every rank makes one at the same point."""
+    if not args.checkpoint_every:
+        return None
+    return checkpoint.Checkpointer(_checkpoint_root(args), args.checkpoint_every, rank=ctx.rank,
+                                   world_size=ctx.world_size, plan_digest=checkpoint_state.plan_digest(plan),
+                                   keep=args.keep_checkpoints, synchronous=args.sync_checkpoint,
+                                   timeout_s=args.timeout, during_save=fault_set.during_save)
+
+
+def _resume(ctx: process_group.Context, args: argparse.Namespace, state: checkpoint_state.RankState) -> int:
+    """The first step to run: 0, or that of the checkpoint resumed from (checkpoint.resume_folder),
+    after loading it into `state`. Every rank must have chosen the same one (checked by one all-reduce)."""
+    restarts = int(os.environ.get(faults.RESTART_ENV, "0") or 0)
+    if not (args.resume or args.resume_from is not None or restarts > 0):
+        return 0
+    folder = checkpoint.resume_folder(_checkpoint_root(args), resume=args.resume, resume_from=args.resume_from,
+                                      restart_count=restarts)
+    chosen = checkpoint.step_of(folder) if folder is not None else -1
+    seen = torch.tensor([chosen, -chosen], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if int(seen[0]) != -int(seen[1]):
+        raise checkpoint.CheckpointError(f"the ranks chose different checkpoints to resume from (steps "
+                                         f"{-int(seen[1])} to {int(seen[0])}); this rank chose {chosen}",
+                                         file=str(folder or _checkpoint_root(args)),
+                                         fix="give every node the same --checkpoint-dir (a shared folder)")
+    if folder is None:
+        return 0
+    first_step = checkpoint_state.restore(folder, state, keep_freeze_step=args.onebit_freeze_step is not None)
+    if ctx.rank == 0:
+        print(f"train.py: resumed from {folder} at step {first_step}", flush=True)
+    return first_step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             # a wrong launch is seen alike by every process of an agent: its first one says so, once
             if not isinstance(exc, placement.LaunchError) or os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"train.py: {exc.one_line()}", file=sys.stderr, flush=True)
+            if exc.exit_code == process_group.FOR_PEER_EXIT_CODE:
+                time.sleep(process_group.FOR_PEER_EXIT_DELAY_S)   # the rank that failed is seen first
             return exc.exit_code
         if not isinstance(exc, dist.DistError) and "gloo" not in str(exc):
             raise                   # not communication: the traceback is the report
@@ -209,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         rank = place.rank if place is not None else os.environ.get("RANK", "?")
         print(f"train.py: rank {rank}: {type(exc).__name__}: {first[:300]}", file=sys.stderr, flush=True)
-        return 1
+        time.sleep(process_group.FOR_PEER_EXIT_DELAY_S)           # the rank that failed is seen first
+        return process_group.FOR_PEER_EXIT_CODE
     return 0
 
 

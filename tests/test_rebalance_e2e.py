@@ -1,0 +1,61 @@
+"""End to end: a device of a planned run slows down 3x mid-run (an injected `slow` fault); with --rebalance
+the program moves rows off its replica within a few steps, without a restart, and every step's loss
+still equals single-process training on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.torchdist.local_run import run_program
+from backends.torchdist.reference import train_reference
+from planner.core.ir import Plan
+from tests.helpers import CLUSTERS, EXAMPLES, read_metrics, run_logs_tail, run_plan_cli
+
+STEPS = 14
+SLOW_FROM_STEP = 4
+SLOWED_DEVICE = "fast/0:0"           # the first stage of the replica with the larger share
+SEED, LR = 3, 1e-3
+# the window median turns two steps after the fault, then three steps over the threshold (Trigger)
+DECIDED_BY_STEP = SLOW_FROM_STEP + 6
+
+
+@pytest.mark.slow
+def test_a_slowed_replica_loses_rows_and_training_stays_exact(tmp_path):
+    out = tmp_path / "out"
+    proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
+                        "--global-batch", "24", "--stages", "2", "--use-all-devices", "--micro-batch", "4",
+                        "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(out)
+    assert len(plan.replicas) >= 2
+    slowed = next(r.index for r in plan.replicas if SLOWED_DEVICE in (s.device_label for s in r.stages))
+    outcome = run_program(plan, out / "program", out / "run",
+                          ["--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--optimizer", "adamw",
+                           "--rebalance", "--fault", f"slow:{SLOWED_DEVICE}=3@{SLOW_FROM_STEP}"], timeout_s=30)
+    assert outcome.returncode == 0, f"{outcome.message}\n{run_logs_tail(out)}"
+    metrics = read_metrics(out / "run" / "metrics.jsonl")
+
+    # every rank logs the same rebalances; the first after the fault moves rows off the slowed replica
+    by_rank = {rank: [m["rebalance"] for m in metrics if m["rank"] == rank and "rebalance" in m]
+               for rank in range(plan.world_size)}
+    assert all(records == by_rank[0] for records in by_rank.values()), by_rank
+    after = [r for r in by_rank[0] if r["step"] >= SLOW_FROM_STEP and r["applied"]]
+    assert after, f"no rebalance after step {SLOW_FROM_STEP}: {by_rank[0]}"
+    first = after[0]
+    assert first["step"] <= DECIDED_BY_STEP, first
+    assert first["new_shares"][slowed] < first["old_shares"][slowed], first
+    assert sum(first["new_shares"]) == plan.global_batch
+    assert first["predicted_new_s"] < first["predicted_old_s"]
+    assert all(len(m["replica_s_per_row"]) == len(plan.replicas) for m in metrics)
+    line = f"rebalance after step {first['step']}: shares {first['old_shares']} -> {first['new_shares']}"
+    printed = [p for p in (out / "run" / "logs").rglob("stdout.log") if line in p.read_text()]
+    assert len(printed) == 1, (line, run_logs_tail(out))        # one line, on rank 0 only
+
+    # the losses of one process on the whole batch, step by step (the shares changed in between)
+    ref = train_reference(str(EXAMPLES / "mlp" / "model.py"), global_batch=plan.global_batch, steps=STEPS,
+                          seed=SEED, lr=LR, optimizer="adamw")
+    for step in range(STEPS):
+        losses = {m["rank"]: m["loss"] for m in metrics if m["step"] == step}
+        assert sorted(losses) == list(range(plan.world_size)), f"step {step}: ranks {sorted(losses)}"
+        for rank, loss in losses.items():
+            assert loss == pytest.approx(ref.losses[step], rel=1e-5), (step, rank, loss, ref.losses[step])
