@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import platform
 import statistics
 import sys
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common  # noqa: E402  (benchmarks/: puts the checkout on sys.path)
 import torch
 import torch.distributed as dist
 
@@ -139,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hetplan-checkpoint-") as work:
         result = measure(args.layers, args.repeats, Path(work))
     print(table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    common.write_json_to(args.out, result)
     print(f"wrote {args.out}")
     return 0 if result["meets_target"] else 1
 

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import common  # noqa: E402  (benchmarks/: puts the checkout on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "benchmarks" / "models" / "llama_350m.py"
 CLUSTER = REPO / "benchmarks" / "clusters" / "cpu-homog-4.yaml"
@@ -109,10 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hetplan-memory-") as work:
         result = measure(args.steps, Path(work))
     print(table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
+    common.write_json_to(args.out, result)
     print(f"wrote {args.out}")
     return 0 if result["meets_targets"] else 1
 

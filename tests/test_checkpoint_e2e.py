@@ -151,9 +151,3 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(mlp2: tuple[Path, 
     resumed, expected = losses_by_step(work, before), losses_by_step(full)
     assert resumed == {step: expected[step] for step in range(3, 9)}
     assert checkpoint.is_complete(root / "step_6") and checkpoint.is_complete(root / "step_9")
-
-
-def test_resume_needs_a_checkpoint(mlp2: tuple[Path, Path], tmp_path: Path) -> None:
-    program, _ = mlp2
-    proc = train_program(program, tmp_path / "run", 4, "--resume", ok=False)
-    assert "--resume: no complete checkpoint here" in proc.stderr

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 def plan_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="plan", description="Plan training of MODEL on a heterogeneous cluster "
-                      "and emit a torch.distributed program. Subcommands: inspect OUT, run OUT.")
+                      "and emit a torch.distributed program. Subcommands: inspect OUT, diff A B, run OUT, "
+                      "replan OUT, export OUT, profile.")
     p.add_argument("model", help="model file defining model() and batch(batch_size, step), or an .onnx graph "
                                  "(cost-only: planned, no program emitted)")
     p.add_argument("--cluster", required=True, help="cluster spec (YAML)")
