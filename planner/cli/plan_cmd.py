@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,10 +14,11 @@ from planner.cli.args import OneLineParser, positive_number
 from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
 from planner.core import schedule
 from planner.core.errors import HetplanError, printable
-from planner.core.ir import ProgramDefaults
+from planner.core.ir import Plan, ProgramDefaults
 
 if TYPE_CHECKING:
     from backends.report.progress import Progress
+    from planner.api import PlanResult
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -95,8 +97,6 @@ def cmd_plan(argv: list[str]) -> int:
 
 def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> int:
     # the planner is imported once the arguments are known good: `plan --help` needs no torch
-    from backends.report.terminal import summary
-    from backends.torchdist.emit import emit_program
     from planner.api import PlanOptions, RunControls, plan
     from planner.frontend.onnx_model import is_onnx_file
 
@@ -117,20 +117,9 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
     cost_only = is_onnx_file(args.model)   # an ONNX graph has no torch code to emit a program from
     planned = result.plan if cost_only else dataclasses.replace(result.plan, program=ProgramDefaults(
         learning_rate=args.lr, optimizer=args.optimizer, functions=tuple(sorted(options.names.items()))))
-    tail = "\n" + _timings_text(result.timings_s, result.pass_timings_s)
-    tail += f"\n{COST_ONLY_NOTE}\n" if cost_only else ""
-    text = summary(planned, width=None) + tail     # summary.txt: every table whole, and the warnings
-    shown = summary(planned, warnings=False) + tail   # the terminal: tables fit its width; warnings on stderr
-
-    def fill(tmp: Path) -> None:
-        planned.save(tmp / "plan.json")
-        (tmp / "summary.txt").write_text(text)
-        (tmp / "solve.json").write_text(_timings_json(result.timings_s, result.pass_timings_s))
-        if not cost_only:
-            emit_program(planned, Path(args.model), tmp / "program")
-
     progress.phase("write")
-    write_atomically(Path(args.out), fill, inputs=inputs, force=args.force)
+    shown = write_plan_dir(Path(args.out), planned, result, None if cost_only else Path(args.model),
+                           inputs=inputs, force=args.force, note=f"\n{COST_ONLY_NOTE}\n" if cost_only else "")
     progress.close()     # the status line is gone before the summary prints
     for warning in planned.warnings:
         print(f"plan: warning: {printable(warning)}", file=sys.stderr)
@@ -139,6 +128,29 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
         return 0
     print(shown + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
     return 0
+
+
+def write_plan_dir(out: Path, planned: Plan, result: PlanResult, model: Path | None, *,
+                   inputs: Iterable[str | Path], force: bool, note: str = "") -> str:
+    """Write the plan directory `out` of `planned` as `plan -o` does, whole or not at all: plan.json,
+    summary.txt (every table whole, and the warnings), solve.json (the phases' times) and, from the model
+    file `model` (None: a cost-only plan), the program. Returns the summary for the terminal (tables fit
+    its width; warnings go to stderr); `note` ends both summaries."""
+    from backends.report.terminal import summary
+    from backends.torchdist.emit import emit_program
+
+    tail = "\n" + _timings_text(result.timings_s, result.pass_timings_s) + note
+    text = summary(planned, width=None) + tail
+
+    def fill(tmp: Path) -> None:
+        planned.save(tmp / "plan.json")
+        (tmp / "summary.txt").write_text(text)
+        (tmp / "solve.json").write_text(_timings_json(result.timings_s, result.pass_timings_s))
+        if model is not None:
+            emit_program(planned, model, tmp / "program")
+
+    write_atomically(out, fill, inputs=inputs, force=force)
+    return summary(planned, warnings=False) + tail
 
 
 COST_ONLY_NOTE = ("cost-only plan from an ONNX graph: no program emitted; run `plan export` on a PyTorch plan "

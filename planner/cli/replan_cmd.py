@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.cli.args import OneLineParser
-from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
+from planner.cli.output_dir import MARKER, check_output_dir
 from planner.cli.plan_files import load_checked_plan, plan_file
 from planner.core.errors import OptionError, PlanFileError, printable
 from planner.core.ir import Plan
@@ -71,10 +71,8 @@ def replan(out_dir: Path, without: Sequence[str], new_out: Path, *, cluster: str
     fields by name, e.g. {"stages": None}); write the new plan directory `new_out` as `plan -o` does and
     return its plan. `controls` as for planner.api.plan (off the main thread: `trace_timeout_s=None`, the
     time limit needs SIGALRM); `echo`: print the summary as `plan` does. Raises HetplanError subclasses."""
-    from backends.report.terminal import summary
-    from backends.torchdist.emit import emit_program
     from planner.api import plan
-    from planner.cli.plan_cmd import _timings_json, _timings_text
+    from planner.cli.plan_cmd import write_plan_dir
     from planner.replanning import check_device_options, cluster_left, lineage, options_from_pairs, with_overrides
 
     if not without and cluster is None:
@@ -94,16 +92,7 @@ def replan(out_dir: Path, without: Sequence[str], new_out: Path, *, cluster: str
     result = plan(model, spec, options, controls or RunControls())
     planned = dataclasses.replace(result.plan, program=previous.program,
                                   lineage=lineage(source, without, spec))
-    text = summary(planned, width=None) + "\n" + _timings_text(result.timings_s, result.pass_timings_s)
-
-    def fill(tmp: Path) -> None:
-        planned.save(tmp / "plan.json")
-        (tmp / "summary.txt").write_text(text)
-        (tmp / "solve.json").write_text(_timings_json(result.timings_s, result.pass_timings_s))
-        emit_program(planned, model, tmp / "program")
-
-    write_atomically(new_out, fill, inputs=inputs, force=force)
+    shown = write_plan_dir(new_out, planned, result, model, inputs=inputs, force=force)
     if echo:
-        shown = summary(planned, warnings=False) + "\n" + _timings_text(result.timings_s, result.pass_timings_s)
         print(shown + f"\nwrote {new_out}/plan.json and {new_out}/program/ (run: plan run {new_out})")
     return planned
