@@ -188,7 +188,7 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
                                                 onebit_freeze_step=freeze_step)
     # checkpoints and resume (checkpoint.py, checkpoint_state.py): the state restored in place, then saved
     state = _rank_state(plan, ctx, args, graphs, tensors, optimizer, grad_sync, executor.scaler)
-    saver = _checkpointer(plan, ctx, args, fault_set)
+    saver = _checkpointer(ctx, args, fault_set, state.plan_digest)
     first_step = _resume(ctx, args, state)
     log = metrics.MetricsLog(args.out, ctx)
     for step in range(first_step, args.steps):
@@ -247,13 +247,13 @@ def _checkpoint_root(args: argparse.Namespace) -> Path:
     return args.checkpoint_dir if args.checkpoint_dir is not None else args.out / checkpoint.CHECKPOINT_DIR
 
 
-def _checkpointer(plan: Plan, ctx: process_group.Context, args: argparse.Namespace,
-                  fault_set: faults.Faults) -> checkpoint.Checkpointer | None:
+def _checkpointer(ctx: process_group.Context, args: argparse.Namespace, fault_set: faults.Faults,
+                  plan_digest: str) -> checkpoint.Checkpointer | None:
     """The saver of --checkpoint-every (None without it); every rank makes one at the same point."""
     if not args.checkpoint_every:
         return None
     return checkpoint.Checkpointer(_checkpoint_root(args), args.checkpoint_every, rank=ctx.rank,
-                                   world_size=ctx.world_size, plan_digest=checkpoint_state.plan_digest(plan),
+                                   world_size=ctx.world_size, plan_digest=plan_digest,
                                    keep=args.keep_checkpoints, synchronous=args.sync_checkpoint,
                                    timeout_s=args.timeout, during_save=fault_set.during_save)
 
