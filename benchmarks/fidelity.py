@@ -2,9 +2,11 @@
 
     python benchmarks/fidelity.py [--steps 20] [--calibration FILE] [--only gpt,mlp] [--quick]
     python benchmarks/fidelity.py --single-device [--device cpu|cuda] [--calibration FILE] [--quick]
+    python benchmarks/fidelity.py --collectives [--worlds 2,4] [--calibration FILE | --profile] [--quick]
 
 (`--single-device`: op and block times predicted against measured on one device; see
-benchmarks/single_device.py.)
+benchmarks/single_device.py. `--collectives`: the TP all-reduces and ZeRO-1 parameter gather the program
+issues, measured on gloo ranks against the cost model; see benchmarks/fidelity_collectives.py.)
 
 1. `plan profile --concurrency 4 --model ...` measures this machine (skipped with --calibration);
 2. every configuration (model x cluster x stage count x micro-batch) is planned with that calibration
@@ -295,9 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.single_device import main as single_device_main
 
         return single_device_main([a for a in argv if a != "--single-device"])
+    if "--collectives" in argv:
+        from benchmarks.fidelity_collectives import main as collectives_main
+
+        return collectives_main([a for a in argv if a != "--collectives"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--single-device", action="store_true",
                    help="op and block times on one device instead (benchmarks/single_device.py; its own options)")
+    p.add_argument("--collectives", action="store_true",
+                   help="TP all-reduce and ZeRO gather against the cost model instead "
+                        "(benchmarks/fidelity_collectives.py; its own options)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per run (first ones are warm-up)")
     p.add_argument("--calibration", type=Path, default=None, help="use this file instead of profiling now")
     p.add_argument("--only", default=",".join(MODELS), help="comma-separated models")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device checks of a GPU session, as one script (issue #4): a few minutes on one GPU, at most the sum
-# of the step timeouts below (9 minutes: under the device session's 10 minutes per command).
+# of the step timeouts below (9.5 minutes: under the device session's 10 minutes per command).
 #
 #   bash benchmarks/gpu_check.sh                 # on a CUDA machine
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   # the same steps on CPU, small and quick (checks the script)
@@ -10,7 +10,9 @@
 #   2. profile       plan profile --quick --device cuda (no model, one computing process)
 #   3. single-device python benchmarks/fidelity.py --single-device --quick: ops and blocks of the example
 #                    models predicted (datasheet; calibrated by step 2 where it succeeded) vs measured
-#   4. plan, program plan examples/gpt on one GPU (benchmarks/clusters/gpu-1.yaml), with step 2's
+#   4. tp-matmul     python benchmarks/tp_matmul.py: a Llama-7B layer's linears at each tensor-parallel
+#                    degree's shard shapes, measured vs the cost model's compute estimate (the TP compute side)
+#   5. plan, program plan examples/gpt on one GPU (benchmarks/clusters/gpu-1.yaml), with step 2's
 #                    calibration where there is one, emit, `plan run` it for STEPS steps: estimate vs measured
 # With $OUT set (the device machine's folder that comes back, at most 8 files), the steps write into a
 # temporary folder and $OUT receives two files: gpu_check.txt (the summary table) and gpu_check.tar.gz
@@ -35,17 +37,20 @@ DRY_RUN=0
 if [ "$DRY_RUN" = 1 ]; then
     DEVICE=cpu; CLUSTER=benchmarks/clusters/cpu-1.yaml; MODELS=mlp; STEPS=6
     KERNEL_ARGS=(--sizes 4096 --repeats 2)
+    TP_ARGS=(--device cpu --quick --repeats 2)
     DEST="$(mktemp -d -t hetplan-gpu-check-XXXXXX)"
 else
     DEVICE=cuda; CLUSTER=benchmarks/clusters/gpu-1.yaml; MODELS=gpt,mlp,resnet; STEPS=30
     KERNEL_ARGS=()
+    TP_ARGS=(--device cuda --catalog H200)
     DEST="$REPO/benchmarks/results"
 fi
 [ -n "${OUT:-}" ] && DEST="$(mktemp -d -t hetplan-gpu-check-XXXXXX)"   # bundled into $OUT at the end
 # seconds per step (the device session allows 10 minutes per command)
 KERNELS_TIMEOUT_S=90
 PROFILE_TIMEOUT_S=90
-SINGLE_DEVICE_TIMEOUT_S=180
+SINGLE_DEVICE_TIMEOUT_S=150
+TP_MATMUL_TIMEOUT_S=60
 PLAN_TIMEOUT_S=60
 RUN_TIMEOUT_S=120
 mkdir -p "$DEST"
@@ -79,6 +84,9 @@ step profile "$PROFILE_TIMEOUT_S" "$DEST/calibration_$DEVICE.log" \
 step single-device "$SINGLE_DEVICE_TIMEOUT_S" "$DEST/single_device_$DEVICE.log" \
     "$PYTHON" benchmarks/fidelity.py --single-device --device "$DEVICE" --quick --models "$MODELS" \
     "${CAL_ARGS[@]}" --out "$DEST/single_device_$DEVICE.json"
+
+step tp-matmul "$TP_MATMUL_TIMEOUT_S" "$DEST/tp_matmul_$DEVICE.log" \
+    "$PYTHON" benchmarks/tp_matmul.py "${TP_ARGS[@]}" --out "$DEST/tp_matmul_$DEVICE.json"
 
 [ "${CAL_ARGS[0]}" = --datasheet-only ] && CAL_ARGS=()
 if step plan "$PLAN_TIMEOUT_S" "$DEST/gpu_program_plan.log" \

@@ -5,8 +5,10 @@
 
 Each cluster size is planned in a fresh Python process, as `plan` would: load the model file (which
 imports transformers), trace it on meta tensors and run annotate + blocks ("trace"), then cost tables +
-ILP search + assemble + verify ("search"). Total = load + trace + search, the time `plan` reports in
-solve.json (Python and torch start-up, about 2 s, are reported apart as the whole process's time).
+the degree search (planner.search.degrees: tensor-parallel degree x ZeRO, per variant configurations
+and ILP, each variant's seconds recorded) + assemble + verify ("search"). Total = load + trace + search,
+the time `plan` reports in solve.json (Python and torch start-up, about 2 s, are reported apart as the
+whole process's time).
 Nothing is cached between sizes. Wall clock and this process's CPU time are both recorded (other load
 on the machine inflates the first, not the second). Clusters are H100 / A100 / V100 nodes of 8 in a
 1:2:1 ratio on 200 Gbit/s InfiniBand (as examples/clusters/large-1024.yaml), written to a temporary
@@ -28,6 +30,7 @@ from typing import Any
 import common
 
 from passes.blocks import DEFAULT_MAX_BLOCKS
+from passes.shardings import block_shardings
 from planner import frontend
 from planner.api import DEFAULT_TRACE_BATCH, PlanOptions, trace_model_file
 from planner.core.errors import PlanningError
@@ -72,16 +75,19 @@ def measure(model_name: str, cluster: Path, gpus: int) -> dict[str, Any]:
     t1, c1 = time.perf_counter(), time.process_time()
     gm, blocks, _ = trace_model_file(model_file, DEFAULT_TRACE_BATCH, DEFAULT_MAX_BLOCKS)
     t2, c2 = time.perf_counter(), time.process_time()
+    # the shardings (passes.shardings) belong to the search phase, as planner.api.plan computes them there
     model = common.TracedModel(model_name, path, blocks, tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
-                               model_file.digest, t2 - t1)
+                               model_file.digest, t2 - t1, block_shardings(gm, blocks))
+    per_variant: list[dict[str, Any]] = []
     try:
-        plan, phases = common.plan_ilp_phases(model, load_cluster(cluster), PlanOptions(global_batch=batch))
+        plan, phases, per_variant = common.plan_ilp_phases(model, load_cluster(cluster),
+                                                           PlanOptions(global_batch=batch))
     except PlanningError as exc:   # e.g. no device class holds the model: say so, keep going
         plan, phases, record["no_plan"] = None, {}, exc.message
     t3, c3 = time.perf_counter(), time.process_time()
     record.update(load_s=t1 - t0, trace_s=t2 - t1, search_s=t3 - t2, total_s=t3 - t0,
                   load_cpu_s=c1 - c0, trace_cpu_s=c2 - c1, search_cpu_s=c3 - c2, total_cpu_s=c3 - c0,
-                  phases_s=phases, blocks=len(blocks), graph_nodes=len(gm.graph.nodes),
+                  phases_s=phases, variants=per_variant, blocks=len(blocks), graph_nodes=len(gm.graph.nodes),
                   replicated=[[r.path, r.length, r.traced] for r in gm.meta.get(REPLICATED_KEY, ())],
                   peak_rss_bytes=common.peak_rss_bytes())
     if record["target_s"] is not None:
@@ -90,7 +96,9 @@ def measure(model_name: str, cluster: Path, gpus: int) -> dict[str, Any]:
         record.update(replicas=len(plan.replicas), devices_used=plan.world_size,
                       stage_counts=sorted({len(r.stages) for r in plan.replicas}), status=plan.solver.status,
                       gap=plan.solver.gap, configurations=plan.solver.configurations,
-                      estimated_iteration_s=plan.estimates.iteration_s)
+                      estimated_iteration_s=plan.estimates.iteration_s,
+                      tp_degree=plan.tp_degree,
+                      zero=any(g.zero for g in plan.grad_groups), bubble_fraction=plan.estimates.bubble_fraction)
     return record
 
 

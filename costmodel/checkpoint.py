@@ -63,8 +63,10 @@ def rank_state_bytes(plan: Plan, optimizer: str) -> list[float]:
     out = [0.0] * plan.world_size
     for replica in plan.replicas:
         for st in replica.stages:
-            params = sum(plan.blocks[b].param_bytes for b in range(st.first_block, st.last_block + 1))
-            out[st.rank] = params * factor
+            params = st.shard_param_bytes or sum(plan.blocks[b].param_bytes
+                                                 for b in range(st.first_block, st.last_block + 1))
+            for rank in st.ranks:
+                out[rank] = params * factor
     return out
 
 
@@ -89,7 +91,8 @@ def checkpoint_advice(plan: Plan, spec: ClusterSpec) -> CheckpointAdvice:
     """The checkpoint cost and Young/Daly interval of `plan` on `spec` (the cluster it was planned on)."""
     optimizer = dict(plan.inputs.options).get("optimizer", "adamw")
     all_devices = spec.devices()
-    device_of = {st.rank: all_devices[st.device] for replica in plan.replicas for st in replica.stages}
+    device_of = {rank: all_devices[d] for replica in plan.replicas for st in replica.stages
+                 for rank, d, _ in st.rank_devices()}
     devices = [device_of[r] for r in range(plan.world_size)]
     state = rank_state_bytes(plan, optimizer)
     largest = max(range(plan.world_size), key=lambda r: (state[r], -r))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from costmodel import calibrated, compute, memory
 from costmodel import constants as C
 from costmodel.calibration import Calibration
-from planner.core.blocks import Block
+from planner.core.blocks import Block, BlockSharding
 from planner.core.cluster import ClusterSpec, Link
 
 
@@ -39,6 +39,8 @@ class ClassTable:
     price_per_hour: float | None = None
     framework_bytes: float = 0.0     # per process besides its stage's state and activations: the framework's
     #                                  own memory and the largest gradient's transient (part of every stage's need)
+    tp_degree: int = 1               # a "device" here is this many devices of one node (costmodel.tensor_parallel)
+    zero_group: int = 1              # optimizer state sharded over >= this many replicas (costmodel.sharded_state)
 
     @property
     def model_bytes(self) -> float:
@@ -66,6 +68,10 @@ class CostTables:
     # grad_bytes counts them too
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
     memory_margin: float = C.DEFAULT_MEMORY_MARGIN   # the capacities' margin, recorded in the plan
+    # per block: what tensor parallelism splits (passes.tensor_parallel; () where not analysed: none);
+    # costmodel.tensor_parallel prices it at a degree
+    shardings: tuple[BlockSharding, ...] = ()
+    param_tensors: tuple[int, ...] = ()     # per block: its parameter tensors (() where not counted: one each)
 
 
 def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, trace_batch: int,
@@ -113,6 +119,7 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         inter_bandwidth_bytes_s=inter.bandwidth_bytes_s,
         inter_latency_s=inter.latency_s,
         block_signatures=tuple(b.signature for b in blocks), tied=tied_parameters(blocks),
+        param_tensors=tuple(len(b.params) for b in blocks),
         memory_margin=memory_margin)
 
 

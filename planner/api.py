@@ -32,6 +32,7 @@ from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Blocks
 from passes.comm import verify_comm
 from passes.comm.inputs import trace_splits, traced_inputs
+from passes.shardings import block_shardings
 from passes.stage_check import check_batch_norm_rows, check_plan_stages, training_notes
 from passes.verify import verify_plan
 from planner import dumps, frontend, runners_up
@@ -162,6 +163,8 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
                               precision_policy=options.precision, memory_margin=options.memory_margin,
                               calibration=calibration)
         tables = compression.with_compression(tables, _compression_table(options, gm, blocks, spec))
+        # what tensor parallelism splits per block (passes.tensor_parallel's pairs); priced per degree in the search
+        tables = dataclasses.replace(tables, shardings=block_shardings(gm, blocks))
     search_options = options.search_options(controls)
     if controls.dump_ir_dir is not None:
         _dump_problem(controls.dump_ir_dir, tables, search_options)

@@ -18,6 +18,7 @@ from typing import Any
 from backends.report.text import format_time, table
 from costmodel.compression import CompressedCostTables, CompressionTable, compression_of
 from costmodel.tables import ClassTable, CostTables
+from planner.core.blocks import BlockSharding
 from planner.search.candidates import Config
 from planner.search.options import SearchOptions
 
@@ -46,6 +47,7 @@ def load_costed_problem(path: Path) -> CompressedCostTables:
     doc = json.loads(path.read_text())
     tables = dict(_tuples(doc["tables"]))
     tables["classes"] = tuple(ClassTable(**c) for c in tables["classes"])
+    tables["shardings"] = tuple(BlockSharding(**b) for b in tables.get("shardings", ()))
     return CompressedCostTables(**tables, compression=CompressionTable(**_tuples(doc["compression"])))
 
 

@@ -18,6 +18,8 @@ from planner.search.strategies import STRATEGIES
 PRECISION_POLICIES = ("auto", "fp32", "bf16", "fp16")
 OBJECTIVES = ("time", "cost")
 OPTIMIZERS = ("adamw", "sgd")
+TP_DEGREES = (1, 2, 4, 8)             # tensor-parallel degrees (costmodel.tensor_parallel.DEGREES)
+ZERO_CHOICES = ("auto", "on", "off")
 CONTRACT_NAMES = ("model", "batch", "loss_fn", "dataset")
 MAX_GLOBAL_BATCH = 1 << 20            # samples per step; the search's integer variables stay small
 DEFAULT_TRACE_TIMEOUT_S = 300.0       # the model file's code (import, model(), batch(), tracing) may take this long
@@ -31,6 +33,8 @@ class PlanOptions:
     strategy: str = "ilp"
     precision: str = "auto"            # fp32 | auto | bf16 | fp16
     stages: int | None = None          # force the pipeline depth of every replica
+    tp: int | None = None              # force the tensor-parallel degree of every stage (None: searched)
+    zero: str = "auto"                 # ZeRO-1 across replicas: auto (where memory is short) | on | off
     use_all_devices: bool = False      # every device must serve a stage
     micro_batch: int | None = None     # force the micro-batch size
     memory_margin: float = 0.1
@@ -48,7 +52,8 @@ class PlanOptions:
     def search_options(self, controls: RunControls | None = None) -> SearchOptions:
         """What of these the search reads (and where `controls` ask it to dump its CP-SAT models)."""
         dump = controls.dump_cp_model_dir if controls else None
-        return SearchOptions(strategy=self.strategy, stages=self.stages, micro_batch=self.micro_batch,
+        return SearchOptions(strategy=self.strategy, stages=self.stages, tp=self.tp, zero=self.zero,
+                             micro_batch=self.micro_batch,
                              use_all_devices=self.use_all_devices, schedule=self.schedule, objective=self.objective,
                              solver=SolverSettings(work_limit_s=self.time_limit_s, dump_dir=dump))
 
@@ -84,6 +89,12 @@ def check_options(options: PlanOptions) -> None:
     _whole(options.global_batch, "--global-batch", "global batch", maximum=MAX_GLOBAL_BATCH)
     if options.stages is not None:
         _whole(options.stages, "--stages", "pipeline depth", maximum=options.max_blocks)
+    if options.tp is not None and options.tp not in TP_DEGREES:
+        raise OptionError(f"tensor-parallel degree {options.tp!r} is not one of {', '.join(map(str, TP_DEGREES))}",
+                          field="--tp", fix="give 1, 2, 4 or 8 (a divisor of the devices per node), or leave it out")
+    if options.zero not in ZERO_CHOICES:
+        raise OptionError(f"--zero {options.zero!r} is not one of {', '.join(ZERO_CHOICES)}", field="--zero",
+                          fix="use auto (where memory is short), on or off")
     if options.micro_batch is not None:
         _whole(options.micro_batch, "--micro-batch", "micro-batch size", maximum=options.global_batch)
     _whole(options.max_blocks, "max_blocks", "block limit", maximum=10_000)

@@ -1,17 +1,21 @@
-"""Baseline strategies: verified plans through the one assemble path; the ILP is never slower."""
+"""Baseline strategies: verified plans through the one assemble path; the ILP is never slower; megatron
+and metis choose tensor parallelism as their recipes do."""
 
 from __future__ import annotations
 
 import pytest
 
 from backends.sim import simulate_plan
+from costmodel import tensor_parallel
 from passes.verify import verify_plan
 from planner.api import PlanOptions, plan
 from planner.core.errors import PlanningError
-from planner.search import baselines, ilp
+from planner.search import baselines, degrees, ilp
 from planner.search.configs import build_configs
+from planner.search.options import SearchOptions
 from planner.search.strategies import STRATEGIES
 from tests import synthetic as syn
+from tests import synthetic_tp as syn_tp
 from tests.helpers import CLUSTERS, EXAMPLES
 
 GLOBAL_BATCH = 64
@@ -85,13 +89,62 @@ def test_baseline_that_cannot_fit_says_why():
     t = syn.table("x", 1.0, blocks=8, devices=2, per_node=2, capacity_gib=20.0, state_gib=[8.0] * 8)
     tabs = syn.tables([t], 16)
     with pytest.raises(PlanningError, match="uniform.*fit"):
-        baselines.uniform_solution(tabs, PlanOptions(global_batch=16))
+        baselines.uniform_solution(tabs, SearchOptions())
 
 
 def test_baseline_estimate_uses_the_ilp_formulas():
     t = syn.table("x", 1.0, blocks=4, devices=4, per_node=4)
     tabs = syn.tables([t], 8)
-    sol = baselines.megatron_solution(tabs, PlanOptions(global_batch=8))
+    sol, priced = baselines.megatron_solution(tabs, SearchOptions())
+    assert priced is tabs                # no shardings: degree 1
     best_ilp = ilp.solve(tabs, build_configs(tabs))
     assert sol.objective_s >= best_ilp.objective_s - 1e-9
     assert sum(c.replicas * c.share for c in sol.choices) == 8
+
+
+# ---- tensor parallelism in the baselines ------------------------------------------------------------
+def _sharded_tables(per_node: tuple[int, ...], state_gib: float, global_batch: int = 16, blocks: int = 8,
+                    degrees_: tuple[int, ...] = (1, 2, 4, 8)):
+    classes = [syn.table(f"c{ci}", 1.0 + ci, blocks=blocks, devices=2 * p, per_node=p, state_gib=[state_gib] * blocks,
+                         capacity_gib=40.0, intra_gbyte_s=300.0) for ci, p in enumerate(per_node)]
+    tabs = syn.tables(classes, global_batch, grad_gib=[state_gib / 4] * blocks)
+    return syn_tp.with_shardings(tabs, [syn_tp.sharding(g, degrees=degrees_) for g in tabs.grad_bytes])
+
+
+def test_megatron_uses_tp_across_the_gpus_of_a_node():
+    sol, priced = baselines.megatron_solution(_sharded_tables((8, 8), 2.0), SearchOptions())
+    assert {c.tp_degree for c in priced.classes} == {8}
+    assert sum(c.replicas * c.share for c in sol.choices) == 16
+
+
+def test_megatron_degree_is_the_largest_the_pairs_and_every_node_allow():
+    opts = SearchOptions()
+    assert baselines.megatron_degree(_sharded_tables((8, 4), 2.0), opts) == 4          # a node of 4 caps it
+    assert baselines.megatron_degree(_sharded_tables((8,), 2.0, degrees_=(1, 2)), opts) == 2   # pairs cap it
+    assert baselines.megatron_degree(_sharded_tables((8,), 2.0), SearchOptions(tp=2)) == 2     # --tp wins
+
+
+def test_megatron_takes_the_fewest_stages_that_fit():
+    # 8 blocks of 8 GiB at TP=8: 1/8 of 90% of the state per shard, the whole model on one group
+    sol, priced = baselines.megatron_solution(_sharded_tables((8,), 8.0), SearchOptions())
+    assert {c.config.num_stages for c in sol.choices} == {1}
+    # 24 GiB blocks: 2.4 + 0.9*24/8 = 5.1 GiB a block per shard; 7 blocks fit 40 GiB, so two stages
+    sol, priced = baselines.megatron_solution(_sharded_tables((8,), 24.0), SearchOptions())
+    assert {c.config.num_stages for c in sol.choices} == {2}
+
+
+def test_metis_picks_the_best_degree():
+    tabs = _sharded_tables((8, 8), 2.0, global_batch=4)
+    sol, priced = baselines.metis_solution(tabs, SearchOptions())
+    degree = priced.classes[0].tp_degree
+    for t in tensor_parallel.usable_degrees(tabs, tabs.shardings):
+        forced, _ = baselines.metis_solution(tabs, SearchOptions(tp=t))
+        assert sol.objective_s <= forced.objective_s
+    assert degree > 1          # four samples on 32 devices: the pipelines cannot fill, TP does better
+
+
+@pytest.mark.parametrize("name", ["megatron", "metis"])
+def test_ilp_is_never_slower_than_a_tp_baseline(name):
+    tabs = _sharded_tables((8, 8), 2.0, global_batch=4)
+    sol, _ = baselines.SOLVERS[name](tabs, SearchOptions())
+    assert degrees.best(tabs, SearchOptions())[0][0].objective_s <= sol.objective_s * (1 + 1e-9)

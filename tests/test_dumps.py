@@ -78,11 +78,12 @@ def test_cli_dumps_load_back_and_leave_plan_json_byte_identical(tmp_path, capsys
     assert plan_bytes == (tmp_path / "plain" / "plan.json").read_bytes()
     assert (ir / COSTED_PROBLEM_FILE).is_file()
 
-    # every CP-SAT model the search solved, in CP-SAT's text format: each loads back into a CpModel,
-    # and solved with the project's settings the best of them is the plan's objective
-    assert sorted(p.name for p in cp.iterdir()) == ["one-node.pbtxt", "spread.pbtxt"]
+    # every CP-SAT model the search solved, in CP-SAT's text format (tensor-parallel and ZeRO variants in
+    # folders of their own): each loads back into a CpModel, and solved with the project's settings the best
+    # of them is the plan's objective
+    assert sorted(p.name for p in cp.glob("*.pbtxt")) == ["one-node.pbtxt", "spread.pbtxt"]
     objectives = []
-    for path in sorted(cp.iterdir()):
+    for path in sorted(cp.rglob("*.pbtxt")):
         model = cp_model.CpModel()
         model.proto.parse_text_format(path.read_text())
         assert len(model.proto.variables) > 0 and model.proto.has_objective()

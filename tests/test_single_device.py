@@ -168,9 +168,10 @@ def test_the_gpu_check_script_runs_its_steps_on_cpu_and_returns_two_files(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "gpu_check.txt"]
     summary = (out / "gpu_check.txt").read_text()
-    for step in ("kernels", "profile", "single-device", "plan", "program"):
+    for step in ("kernels", "profile", "single-device", "tp-matmul", "plan", "program"):
         assert any(line.split()[:2] == [step, "ok"] for line in summary.splitlines()), summary
     assert "program gpt 1 device: estimate" in summary
     with tarfile.open(out / "gpu_check.tar.gz") as archive:
         names = set(archive.getnames())
-    assert {"./single_device_cpu.json", "./kernels_cpu.json", "./gpu_program_gpt/run/metrics.jsonl"} <= names
+    assert {"./single_device_cpu.json", "./kernels_cpu.json", "./tp_matmul_cpu.json",
+            "./gpu_program_gpt/run/metrics.jsonl"} <= names

@@ -129,7 +129,7 @@ def test_dry_run_builds_every_rank_of_a_many_rank_plan_on_meta(tmp_path):
     model_params = sum(p.numel() for p in meta.module.parameters())
     for replica in plan.replicas:
         mine = [r for r in records if r["replica"] == replica.index]
-        assert len(mine) == len(replica.stages)
+        assert len(mine) == len(replica.ranks)           # every tensor-parallel shard of each stage
         assert all(r["replica_param_count"] == model_params for r in mine)
     for r in records:
         assert r["start_up_s"] < 30 and r["peak_memory_bytes"] < 2 * 2**30

@@ -34,8 +34,9 @@ from passes.comm.events import COLLECTIVE, RECV, SEND, WAIT, CommEvent
 from passes.comm.inputs import SplitView
 from planner.api import PlanOptions, plan
 from planner.core import schedule as sched
+from planner.core.comm_records import CommValue
 from planner.core.errors import PassError
-from planner.core.ir import CommValue, Plan
+from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, REPO, run_logs_tail
 
 CASES = {   # name: model, cluster, options; together: 1F1B and GPipe, skips, every kind of gradient group

@@ -34,8 +34,9 @@ def summary(plan: Plan, width: int | None = TERMINAL, warnings: bool = True) -> 
     rows = []
     for r in plan.replicas:
         for st in r.stages:
+            ranks = str(st.rank) if st.tp_degree == 1 else f"{st.rank}-{st.ranks[-1]} tp{st.tp_degree}"
             rows.append([
-                str(st.rank), f"{r.index}/{st.index}", st.device_label, st.device_type, st.precision,
+                ranks, f"{r.index}/{st.index}", st.device_label, st.device_type, st.precision,
                 f"{st.first_block}-{st.last_block}", "yes" if st.recompute else "no", str(r.batch_share),
                 "x".join(map(str, r.micro_batch_sizes[:1])) + f" x{len(r.micro_batch_sizes)}", r.schedule,
                 f"{e.memory_bytes[st.rank] / GIB:.2f}/{e.capacity_bytes[st.rank] / GIB:.1f}",
@@ -43,7 +44,8 @@ def summary(plan: Plan, width: int | None = TERMINAL, warnings: bool = True) -> 
     stages = table(["rank", "rep/stage", "device", "type", "prec", "blocks", "recompute", "share", "micro",
                      "schedule", "mem GiB", "busy"], rows, width)
     groups = [[str(g.index), ",".join(map(str, g.ranks)) if len(g.ranks) <= 8 else f"{len(g.ranks)} ranks",
-               str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor, format_time(g.estimated_s)]
+               str(len(g.params)), f"{g.nbytes / 2**20:.2f}", g.compressor + (" zero" if g.zero else ""),
+               format_time(g.estimated_s)]
               for g in plan.grad_groups[:12]]
     more = f"\n... {len(plan.grad_groups) - 12} more gradient groups" if len(plan.grad_groups) > 12 else ""
     grads = table(["group", "ranks", "params", "MiB", "compressor", "est"], groups, width) + more if groups else \

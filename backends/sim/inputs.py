@@ -17,6 +17,7 @@ from costmodel import constants as C
 from costmodel.activation_compression import activation_cost
 from costmodel.compression import INT8_BLOCK_ELEMS, kernel_bandwidth_bytes_s
 from costmodel.network import ring_allreduce_s
+from costmodel.sharded_state import allgather_s
 from planner.core.cluster import ClusterSpec, Device, Link
 from planner.core.errors import PlanningError
 from planner.core.ir import GradGroup, P2PEdge, Plan, ReplicaPlan, StagePlan
@@ -120,10 +121,13 @@ def optimizer_step_s(param_bytes: float, device: Device) -> float:
 
 
 def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica: ReplicaPlan,
-                  edges: dict[tuple[int, int], P2PEdge]) -> ReplicaWork:
+                  edges: dict[tuple[int, int], P2PEdge], lane: int = 0) -> ReplicaWork:
+    """One replica's pipeline; with tensor parallelism, one lane of it (the ranks of shard `lane`, which run
+    the replica's rows in step with the other lanes: a stage's times include its collectives)."""
     rows = replica.micro_batch_sizes
     stages = []
     S = len(replica.stages)
+    zero = {r: len(g.ranks) for g in plan.grad_groups if g.zero for r in g.ranks}
     for s, st in enumerate(replica.stages):
         fwd, bwd = _compute_times(st, rows)
         send_fwd: tuple[float, ...] = ()
@@ -137,9 +141,14 @@ def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica:
             ends = (devices[st.device], devices[prev.device])
             link = spec.link_between(*ends)
             send_bwd = tuple(_send_s(edges[(replica.index, s - 1)], prev, ends, link, r) for r in rows)
-        param_bytes = sum(plan.blocks[b].param_bytes for b in range(st.first_block, st.last_block + 1))
-        stages.append(StageWork(st.rank, fwd, bwd, send_fwd, send_bwd,
-                                optimizer_step_s(param_bytes, devices[st.device])))
+        param_bytes = st.shard_param_bytes or sum(plan.blocks[b].param_bytes
+                                                  for b in range(st.first_block, st.last_block + 1))
+        rank = st.ranks[lane]
+        step_s = optimizer_step_s(param_bytes / zero.get(rank, 1), devices[st.device])
+        if rank in zero:       # ZeRO-1: each rank steps its part, then the parts are gathered (costmodel.sharded_state)
+            step_s += (allgather_s(param_bytes, zero[rank], spec.inter_node.bandwidth_bytes_s, 0.0)
+                       + len(st.params) * spec.inter_node.latency_s)       # a broadcast per tensor
+        stages.append(StageWork(rank, fwd, bwd, send_fwd, send_bwd, step_s))
     return ReplicaWork(replica.index, replica.schedule, tuple(stages))
 
 
@@ -160,8 +169,9 @@ def from_plan(plan: Plan, spec: ClusterSpec) -> SimInput:
             if st.device >= len(devices):
                 raise PlanningError(f"plan places rank {st.rank} on device {st.device}, the cluster has "
                                     f"{len(devices)}", file=spec.source_path, fix="simulate on the plan's cluster")
-            rank_device[st.rank] = devices[st.device]
+            rank_device.update((rank, devices[d]) for rank, d, _ in st.rank_devices())
     edges = {(e.replica, e.src_stage): e for e in plan.p2p}
-    replicas = tuple(_replica_work(plan, spec, devices, r, edges) for r in plan.replicas)
+    replicas = tuple(_replica_work(plan, spec, devices, r, edges, lane) for r in plan.replicas
+                     for lane in range(r.tp_degree))
     syncs = tuple(_sync_work(spec, g, rank_device) for g in sorted(plan.grad_groups, key=lambda g: g.index))
     return SimInput(plan.world_size, plan.global_batch, replicas, syncs)

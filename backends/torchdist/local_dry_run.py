@@ -53,9 +53,9 @@ def dry_run(plan: Plan, program_dir: Path, out_dir: Path, *, seed: int = 0,
         built = {int(rec["stage"]): rec for rec in map(json.loads, proc.stdout.splitlines())}
         for index in replicas:
             for stage in plan.replicas[index].stages:
-                records.append({**built[stage.index], "rank": stage.rank, "replica": index,
-                                "device": stage.device_label, "estimated_memory_bytes": stage.memory_bytes,
-                                "shape_of_replica": replicas[0]})
+                for rank, _, label in stage.rank_devices():     # each tensor-parallel shard alike
+                    records.append({**built[stage.index], "rank": rank, "replica": index, "device": label,
+                                    "estimated_memory_bytes": stage.memory_bytes, "shape_of_replica": replicas[0]})
     records.sort(key=lambda rec: int(str(rec["rank"])))
     tmp = out_dir / f".{DRY_RUN_FILE}.tmp"
     tmp.write_text(json.dumps(records, indent=1) + "\n")

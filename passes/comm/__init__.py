@@ -28,7 +28,8 @@ from passes.comm.derive import (
 from passes.comm.events import CommEvent, digest, message_tag
 from passes.comm.inputs import SplitView, StreamInputs, from_record, to_record, trace_inputs
 from passes.comm.simulate import check_streams, format_grid
-from planner.core.ir import CommRecord, Plan
+from planner.core.comm_records import CommRecord
+from planner.core.ir import Plan
 
 __all__ = ["CommEvent", "Schedules", "SplitView", "StreamInputs", "Variant", "check_streams", "digest",
            "first_difference", "format_grid", "from_record", "message_tag", "rank_digest", "rank_stream",

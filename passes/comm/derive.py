@@ -137,6 +137,8 @@ def _collectives(plan: Plan, rank: int, inputs: StreamInputs, variant: Variant |
     if variant is None:
         for g in plan.grad_groups:
             collective("setup", WORLD, world, f"new_group grad{g.index}", (len(g.ranks),), "", 0)
+        for name, ranks in tp_groups(plan):
+            collective("setup", WORLD, world, f"new_group {name}", (len(ranks),), "", 0)
         collective("check", WORLD, world, "all_reduce", (plan.world_size,), "int32", 4 * plan.world_size)
         return out
     if variant.loss_scaling:
@@ -161,14 +163,21 @@ def _collectives(plan: Plan, rank: int, inputs: StreamInputs, variant: Variant |
     return out
 
 
+def tp_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensor-parallel groups (each stage's shards), in the order every rank creates them
+    (process_group.init, after the gradient groups): name `tp<replica>.<stage>` and ranks."""
+    return [(f"tp{r.index}.{st.index}", st.ranks) for r in plan.replicas for st in r.stages if st.tp_degree > 1]
+
+
 def _pipeline(plan: Plan, rank: int, inputs: StreamInputs, schedules: Schedules) -> list[CommEvent]:
     replica, stage = plan.stage_of_rank(rank)
+    lane = stage.ranks.index(rank)
     plans: dict[int, dict[str, list[_Message]]] = {}     # micro-batch rows -> the messages of F and B
     out: list[CommEvent] = []
     for action in schedules(replica.index)[stage.index]:
         rows = replica.micro_batch_sizes[action.micro]
         if rows not in plans:
-            plans[rows] = _messages(plan, replica.index, stage.index, inputs.split(replica.index, rows))
+            plans[rows] = _messages(plan, replica.index, stage.index, inputs.split(replica.index, rows), lane)
         label = str(action)
         for m in plans[rows][action.kind]:
             out.append(CommEvent(m.kind, rank, label, peer=m.peer, tag=message_tag(action.micro, m.index, m.backward,
@@ -190,9 +199,10 @@ class _Message:
     nbytes: int
 
 
-def _messages(plan: Plan, replica_index: int, k: int, view: SplitView) -> dict[str, list[_Message]]:
+def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int = 0) -> dict[str, list[_Message]]:
     """Stage k's messages in a forward ("F") and a backward ("B") of one micro-batch, in program order:
-    values in value order both ways (pipeline.py), since a pair's messages match in issue order."""
+    values in value order both ways (pipeline.py), since a pair's messages match in issue order. With
+    tensor parallelism each shard lane is a pipeline of its own: its peers are the same lane's ranks."""
     replica = plan.replicas[replica_index]
     num_stages, last = len(replica.stages), len(replica.stages) - 1
     codec = edge_codecs(plan, replica_index)
@@ -201,7 +211,7 @@ def _messages(plan: Plan, replica_index: int, k: int, view: SplitView) -> dict[s
 
     def message(kind: str, name: str, peer_stage: int, backward: bool, edge: tuple[int, int]) -> _Message:
         v = values[name]
-        return _Message(kind, replica.stages[peer_stage].rank, index[name], len(index), backward, codec[edge],
+        return _Message(kind, replica.stages[peer_stage].ranks[lane], index[name], len(index), backward, codec[edge],
                         v.shape, v.dtype, math.prod(v.shape) * _itemsize(v.dtype))
 
     received = sorted((n for n in view.stage_inputs[k] if values[n].producer != -1), key=index.__getitem__)

@@ -21,8 +21,9 @@ import torch.nn as nn
 
 from passes.split import StageSplit, split_stages
 from planner import frontend
+from planner.core.comm_records import CommRecord, CommSplit, CommValue
 from planner.core.errors import PassError
-from planner.core.ir import CommRecord, CommSplit, CommValue, Plan
+from planner.core.ir import Plan
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -40,6 +40,12 @@ def plan_parser() -> argparse.ArgumentParser:
                         "pure data-parallel plan)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--stages", type=int, default=None, help="force every pipeline to this many stages")
+    p.add_argument("--tp", type=int, default=None,
+                   help="force the tensor-parallel degree of every stage: 1, 2, 4 or 8 devices of a node "
+                        "(default: searched)")
+    p.add_argument("--zero", default="auto", choices=["auto", "on", "off"],
+                   help="shard the optimizer state across replicas (ZeRO-1): auto where memory is short, "
+                        "on for every gradient group, off")
     p.add_argument("--micro-batch", type=int, default=None, help="force the micro-batch size")
     p.add_argument("--use-all-devices", action="store_true", help="every device must serve a stage")
     p.add_argument("--schedule", default="auto", choices=schedule.CHOICES,
@@ -102,7 +108,8 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
 
     names = {"model": args.model_fn, "batch": args.batch_fn, "loss_fn": args.loss_fn, "dataset": args.dataset_fn}
     options = PlanOptions(global_batch=args.global_batch, strategy=args.strategy, precision=args.precision,
-                          stages=args.stages, memory_margin=args.memory_margin, schedule=args.schedule,
+                          stages=args.stages, tp=args.tp, zero=args.zero, memory_margin=args.memory_margin,
+                          schedule=args.schedule,
                           time_limit_s=args.time_limit, use_all_devices=args.use_all_devices,
                           micro_batch=args.micro_batch, compression=args.compression,
                           activation_compression=args.activation_compression,

@@ -162,6 +162,10 @@ def _check_shape(plan: Plan, file: str) -> None:
                      f"{st.last_block} out of place ({world} ranks, {blocks} blocks)")
             if st.precision not in PRECISIONS:
                 fail(f"{where}.stages[{j}].precision", f"unknown precision {st.precision[:20]!r}")
+            if st.tp_ranks and not (st.tp_ranks[0] == st.rank and all(0 <= t < world for t in st.tp_ranks)
+                                    and len(st.tp_devices) == len(st.tp_device_labels) == len(st.tp_ranks)):
+                fail(f"{where}.stages[{j}].tp_ranks", "tensor-parallel ranks out of place (the first is `rank`, "
+                     "one device and label each)")
     for g in plan.grad_groups:
         if not all(0 <= rank < world for rank in g.ranks):
             fail(f"grad_groups[{g.index}].ranks", f"a rank outside 0..{world - 1}")

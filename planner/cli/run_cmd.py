@@ -216,7 +216,8 @@ def _run_elastic(args: argparse.Namespace, plan: Plan, out: Path, train_args: li
                 raise
             print(f"plan run --elastic: {exc.message}: re-planning without {', '.join(RELAXED_ON_REPLAN)}",
                   flush=True)
-            return replan(plan_dir, without, new_dir, echo=True, overrides={"stages": None, "use_all_devices": False})
+            return replan(plan_dir, without, new_dir, echo=True,
+                          overrides={"stages": None, "tp": None, "use_all_devices": False})
 
     return run_elastic(Launch(plan, out, out / "run"), train_args, faults, run=run, replan=replan_around,
                        checkpoint_root=lambda launch: launch.run_dir / checkpoint.CHECKPOINT_DIR, stream=sys.stdout)

@@ -51,3 +51,26 @@ class Block:
     def activation_bytes(self) -> float:
         """Bytes kept for backward: outputs of non-view ops (an upper estimate)."""
         return sum(o.out_bytes for o in self.ops if o.op_class != "view")
+
+
+@dataclass(frozen=True)
+class BlockSharding:
+    """What tensor parallelism can do to one block (passes.tensor_parallel finds it in the graph): the
+    Megatron column/row pairs inside it, as numbers the cost model prices at a degree t."""
+
+    degrees: tuple[int, ...]              # degrees every pair of the block divides (1 always among them)
+    sharded_params: tuple[str, ...]       # parameters split across the shards (the rest are replicated)
+    sharded_param_bytes: float            # their fp32 bytes (of the block's param_bytes)
+    sharded_flops_fraction: float         # of the block's forward + backward FLOPs, the part that splits
+    sharded_activation_fraction: float    # of the block's kept activations, the part that splits
+    allreduce_bytes_fwd: float            # fp32 bytes per sample all-reduced in the forward (row outputs)
+    allreduce_bytes_bwd: float            # and in the backward (gradients of the pairs' inputs)
+    allreduces: int                       # collectives per micro-batch, each way
+
+    @staticmethod
+    def none() -> BlockSharding:
+        """A block with nothing to shard."""
+        return BlockSharding((1,), (), 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+
+    def divides(self, degree: int) -> bool:
+        return degree in self.degrees

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from planner.core.comm_records import CommRecord
 from planner.core.errors import PlanFileError
 from planner.core.plan_records import CheckpointAdvice, Lineage
 
@@ -59,6 +60,27 @@ class StagePlan:
     memory_bytes: float           # estimated peak
     params: tuple[str, ...]
     slowdown: float = 1.0         # emulation: pad each compute step to this multiple (spec `slowdown`)
+    # tensor parallelism: the ranks that run this stage's shards, `rank` first (shard 0), devices in one
+    # node; empty: `rank` alone runs the whole stage (passes.tensor_parallel shards it)
+    tp_ranks: tuple[int, ...] = field(default=(), metadata=OPTIONAL)
+    tp_devices: tuple[int, ...] = field(default=(), metadata=OPTIONAL)        # their devices, as `device`
+    tp_device_labels: tuple[str, ...] = field(default=(), metadata=OPTIONAL)  # and labels, as `device_label`
+    shard_param_bytes: float = field(default=0.0, metadata=OPTIONAL)   # fp32 parameter bytes one shard holds
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the stage: its tensor-parallel shards in shard order (`rank` alone without)."""
+        return self.tp_ranks or (self.rank,)
+
+    @property
+    def tp_degree(self) -> int:
+        return len(self.ranks)
+
+    def rank_devices(self) -> tuple[tuple[int, int, str], ...]:
+        """(rank, device index, device label) of each shard, in shard order."""
+        if not self.tp_ranks:
+            return ((self.rank, self.device, self.device_label),)
+        return tuple(zip(self.tp_ranks, self.tp_devices, self.tp_device_labels))
 
 
 @dataclass(frozen=True)
@@ -73,7 +95,24 @@ class ReplicaPlan:
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        return tuple(s.rank for s in self.stages)
+        """Every rank of the replica, stage by stage (a stage's tensor-parallel shards together)."""
+        return tuple(r for s in self.stages for r in s.ranks)
+
+    @property
+    def tp_degree(self) -> int:
+        """Tensor-parallel degree of the replica's stages (one for all of them)."""
+        return self.stages[0].tp_degree if self.stages else 1
+
+    def lane(self, rank: int) -> int:
+        """Which tensor-parallel shard `rank` runs in its stage (0 without tensor parallelism)."""
+        for s in self.stages:
+            if rank in s.ranks:
+                return s.ranks.index(rank)
+        raise KeyError(rank)
+
+    def lane_ranks(self, lane: int) -> tuple[int, ...]:
+        """The ranks of one shard lane, stage by stage: a pipeline of its own, trained on the replica's rows."""
+        return tuple(s.ranks[lane] for s in self.stages)
 
 
 def bucket_ranges(numels: Sequence[int], cap_elems: int) -> list[tuple[int, int]]:
@@ -125,6 +164,9 @@ class GradGroup:
     algorithm: str
     estimated_s: float
     settings: CompressorSettings | None = field(default=None, metadata=OPTIONAL)   # none: no settings
+    # ZeRO-1: the optimizer state of the group's parameters is sharded across its ranks (each steps its
+    # part, then the updated parameters are gathered); costmodel.zero
+    zero: bool = field(default=False, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -206,40 +248,6 @@ class ProgramDefaults:
 
 
 @dataclass(frozen=True)
-class CommValue:
-    """A value of a stage split as the communication verifier saw it (passes.split.ValueInfo)."""
-
-    name: str
-    producer: int                 # stage; -1: a model input
-    consumers: tuple[int, ...]    # stages; the number of stages stands for the model's output
-    shape: tuple[int, ...]
-    dtype: str                    # torch's name without `torch.`: float32, int64
-    needs_grad: bool
-
-
-@dataclass(frozen=True)
-class CommSplit:
-    """One replica split at one micro-batch size: what its stages receive and send, in their order."""
-
-    replicas: tuple[int, ...]                 # the replicas cut this way
-    rows: int                                 # micro-batch size
-    values: tuple[CommValue, ...]             # every value of the split (tags number them all)
-    stage_inputs: tuple[tuple[str, ...], ...]
-    stage_outputs: tuple[tuple[str, ...], ...]
-
-
-@dataclass(frozen=True)
-class CommRecord:
-    """What passes.comm derived every rank's communication from and proved free of deadlock: the stage
-    splits and gradient-group parameters beside the plan, and a digest of each rank's streams. The
-    program derives its own from its split and refuses to run a stream with another digest."""
-
-    splits: tuple[CommSplit, ...]
-    params: tuple[tuple[str, int, str], ...]   # gradient groups' parameters: name, elements, dtype
-    digests: tuple[str, ...]                   # per rank
-
-
-@dataclass(frozen=True)
 class Plan:
     inputs: PlanInputs
     global_batch: int
@@ -265,11 +273,17 @@ class Plan:
     checkpoint: CheckpointAdvice | None = field(default=None, metadata=OPTIONAL, compare=False)
 
     def stage_of_rank(self, rank: int) -> tuple[ReplicaPlan, StagePlan]:
+        """The replica and stage `rank` runs (one of the stage's tensor-parallel shards, where it has several)."""
         for replica in self.replicas:
             for stage in replica.stages:
-                if stage.rank == rank:
+                if rank in stage.ranks:
                     return replica, stage
         raise KeyError(rank)
+
+    @property
+    def tp_degree(self) -> int:
+        """Tensor-parallel degree of the plan's stages (1: none)."""
+        return max((r.tp_degree for r in self.replicas), default=1)
 
     def to_json(self) -> str:
         return json.dumps(_to_data(self), indent=1, sort_keys=True) + "\n"

@@ -67,6 +67,22 @@ def _take(free: dict[int, list[Device]], count: int, per_node: int) -> list[Devi
     return taken[:count]
 
 
+def _take_shards(free: dict[int, list[Device]], stages: int, degree: int) -> list[Device]:
+    """Devices for `stages` stages of `degree` tensor-parallel shards each, every stage's inside one node:
+    the node of the stage before while it has room, else the node with the most free devices (nodes hold
+    a multiple of `degree`, and every take is one, so a node with room for a stage exists while any has)."""
+    taken: list[Device] = []
+    node: int | None = None
+    for _ in range(stages):
+        if node is None or len(free[node]) < degree:
+            node = max(sorted(free), key=lambda n: len(free[n]))
+        if len(free[node]) < degree:
+            break
+        taken += free[node][:degree]
+        free[node] = free[node][degree:]
+    return taken
+
+
 def _class_of_node(spec: ClusterSpec, tables: CostTables) -> dict[int, int]:
     """The device class (costmodel.tables: one per node group, in spec order) of each node. A cluster
     less lost devices has several node groups of one name (planner.core.cluster), told apart by node."""
@@ -95,7 +111,11 @@ def _allocate(spec: ClusterSpec, tables: CostTables, choices: tuple[Choice, ...]
         for _ in range(choice.replicas):
             taken: list[Device] = []
             for ci in portions:
-                taken += _take(free[ci], choice.config.devices_of(ci), tables.classes[ci].per_node)
+                table = tables.classes[ci]
+                if table.tp_degree > 1:
+                    taken += _take_shards(free[ci], choice.config.devices_of(ci), table.tp_degree)
+                else:
+                    taken += _take(free[ci], choice.config.devices_of(ci), table.per_node)
             replicas.append(_Replica(choice.config, choice.share, taken))
     return replicas
 
@@ -118,15 +138,21 @@ def _micro_sizes(share: int, micro: int) -> tuple[int, ...]:
 def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
              inputs: PlanInputs, strategy: str) -> Plan:
     replicas = _allocate(spec, tables, solution.choices)
-    if any(len(r.devices) < r.config.num_stages for r in replicas):
+    degree = max(c.tp_degree for c in tables.classes)
+    zero = max(c.zero_group for c in tables.classes) > 1       # costmodel.sharded_state priced every group so
+    shardings = tables.shardings
+    sharded = {p for sh in shardings if sh.divides(degree) for p in sh.sharded_params} if degree > 1 else set()
+    if any(len(r.devices) < r.config.num_stages * degree for r in replicas):
         raise PlanningError("could not place the chosen pipelines on the nodes",
                             file=spec.source_path, fix="report this with the cluster spec")
     _trim(replicas, tables.global_batch)
     replicas.sort(key=lambda r: r.devices[0].index)
+    param_bytes = {p: size / (degree if p in sharded else 1)
+                   for b in blocks for p, size in zip(b.params, b.param_sizes)}
 
     rank = 0
     replica_plans: list[ReplicaPlan] = []
-    holders: dict[str, list[int]] = {}
+    holders: dict[tuple[str, int], list[int]] = {}   # (parameter, shard lane) -> ranks
     p2p: list[P2PEdge] = []
     memory_by_rank: list[float] = []
     capacity_by_rank: list[float] = []
@@ -143,8 +169,10 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             params: list[str] = []
             for b in range(lo, hi):
                 params.extend(p for p in blocks[b].params if p not in params)
-            for p in params:
-                holders.setdefault(p, []).append(rank)
+            ranks = tuple(range(rank, rank + degree))
+            for lane, r in enumerate(ranks):
+                for p in params:
+                    holders.setdefault((p, lane), []).append(r)
             table = tables.classes[cfg.classes[s]]
             recompute = cfg.split.stage_recompute[s]
             fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if recompute else 1)
@@ -152,34 +180,39 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             over = sum(table.overhead_s[b] for b in range(lo, hi))
             in_flight = memory.in_flight_micro_batches(cfg.schedule, s, S, len(micro_sizes))
             mem = stage_need_bytes(table, range(lo, hi), cfg.micro_batch, in_flight, recompute)
-            dev = rep.devices[s]
+            devs = rep.devices[s * degree:(s + 1) * degree]
+            dev = devs[0]
+            sharded_stage = degree > 1
             stages.append(StagePlan(
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
                 rank=rank, device=dev.index, device_label=dev.label, device_type=dev.type.name,
                 precision=table.precision, recompute=recompute, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
                 overhead_s=over, memory_bytes=mem, params=tuple(params),
-                slowdown=dev.type.slowdown))
-            memory_by_rank.append(mem)
-            capacity_by_rank.append(float(dev.type.memory_bytes))
-            busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))
-            device_labels.append(dev.label)
-            stage_of_rank.append((cfg, s))
-            if s > 0:
-                sender = tables.classes[cfg.classes[s - 1]]
-                codec = cfg.split.send_compressors[s - 1] if cfg.split.send_compressors else "none"
-                p2p.append(P2PEdge(ri, s - 1, s, rank - 1, rank, sender.boundary_bytes[lo - 1], codec,
-                                   block_elems=compression.INT8_BLOCK_ELEMS if codec == "int8" else 0))
-            rank += 1
+                slowdown=dev.type.slowdown, tp_ranks=ranks if sharded_stage else (),
+                tp_devices=tuple(d.index for d in devs) if sharded_stage else (),
+                tp_device_labels=tuple(d.label for d in devs) if sharded_stage else (),
+                shard_param_bytes=sum(param_bytes[p] for p in params) if sharded_stage else 0.0))
+            for lane, d in enumerate(devs):
+                memory_by_rank.append(mem)
+                capacity_by_rank.append(float(d.type.memory_bytes))
+                busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))
+                device_labels.append(d.label)
+                stage_of_rank.append((cfg, s))
+                if s > 0:
+                    sender = tables.classes[cfg.classes[s - 1]]
+                    codec = cfg.split.send_compressors[s - 1] if cfg.split.send_compressors else "none"
+                    p2p.append(P2PEdge(ri, s - 1, s, ranks[lane] - degree, ranks[lane], sender.boundary_bytes[lo - 1],
+                                       codec, block_elems=compression.INT8_BLOCK_ELEMS if codec == "int8" else 0))
+            rank += degree
         group = "+".join(dict.fromkeys(tables.classes[ci].name for ci in cfg.classes))
         replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule, rep.time_s()))
 
     all_devices = spec.devices()
-    rank_device = {st.rank: all_devices[st.device] for rp in replica_plans for st in rp.stages}
+    rank_device = {r: all_devices[d] for rp in replica_plans for st in rp.stages for r, d, _ in st.rank_devices()}
     groups: dict[tuple[int, ...], list[str]] = {}
-    for p, holding in holders.items():
+    for (p, _), holding in holders.items():
         if len(holding) > 1:
             groups.setdefault(tuple(sorted(holding)), []).append(p)
-    param_bytes = {p: size for b in blocks for p, size in zip(b.params, b.param_sizes)}
     policy = compression.compression_of(tables)
     grad_groups = []
     for gi, (ranks, params) in enumerate(sorted(groups.items())):
@@ -193,9 +226,13 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
         bandwidth = min(compression.kernel_bandwidth_bytes_s(rank_device[r].type) for r in ranks)
         launch = max(compute.op_overhead_s(rank_device[r].type) for r in ranks)
         allowed = group_allowed(stage_allowed(*stage_of_rank[r]) for r in ranks)
+        if degree > 1:    # a compressor's state is priced on whole parameters; shards sync exactly
+            allowed = frozenset({"none"})
+        if zero:          # 1-bit Adam exchanges momentum inside its own step: not with a sharded one
+            allowed = (allowed if allowed is not None else frozenset(compression.GRADIENT_COMPRESSORS)) - {"onebit"}
         cost = compression.choose_gradient(policy, params, nbytes, len(ranks), link, bandwidth, launch, allowed)
         grad_groups.append(GradGroup(gi, ranks, tuple(params), nbytes, cost.name, cost.algorithm,
-                                     cost.time_s, settings=compression.settings_of(cost.name)))
+                                     cost.time_s, settings=compression.settings_of(cost.name), zero=zero))
         for r in ranks:
             memory_by_rank[r] += cost.state_bytes
 

@@ -8,10 +8,16 @@ checked by `verify_plan`:
   every device class, one replica per group of that many devices, equal batch shares.
 - `fastest`: only the devices of the fastest type; the depth and micro-batch size with the best
   estimate, time-balanced stages (the exact split), equal shares.
-- `megatron`: even DP x PP over all devices: one depth for every replica, equal blocks per stage,
-  equal shares; the depth and micro-batch size with the best estimate.
-- `metis`: Metis-style: one depth, stages balanced by each device type's own block times, batch
-  shares proportional to each replica's steady-state speed; the best depth and micro-batch size.
+- `megatron`: what Megatron users do: tensor parallelism across the GPUs of a node (the largest degree
+  the model's pairs divide that every class's nodes hold, costmodel.tensor_parallel), the fewest
+  pipeline stages at which equal blocks per stage fit, the rest data parallel with equal shares.
+- `metis`: Metis-style: per tensor-parallel degree the model allows, one depth, stages balanced by each
+  device type's own block times, batch shares proportional to each replica's steady-state speed; the
+  best degree, depth and micro-batch size. Every stage of a plan shares one degree (as in the ILP's
+  search, planner.search.degrees, which says why).
+
+`uniform`, `fastest`, `single` and `dp` run at degree 1. A baseline returns its solution with the
+tables it was priced on (the degree's), which `assemble()` reads the degree from.
 
 And the two plans a user would try first (FIRST_TRIES; always among the runners-up, planner.runners_up):
 
@@ -33,7 +39,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
-from costmodel import memory
+from costmodel import memory, tensor_parallel
 from costmodel.tables import ClassTable, CostTables
 from passes.verify import verify_plan
 from planner.core.blocks import Block
@@ -51,6 +57,7 @@ from planner.search.sync import split_sync_s
 
 HEURISTIC_STATUS = "HEURISTIC"      # no optimality proof: the plan reports bound 0 (gap 100%)
 Replica = tuple[candidates.Config, int]    # (configuration, batch share)
+Priced = tuple[candidates.Solution, CostTables]   # a baseline's solution and the tables it is priced on
 
 
 def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
@@ -139,6 +146,8 @@ def _depths(tables: CostTables, classes: Iterable[int], options: SearchOptions) 
     out: set[int] = set()
     for ci in classes:
         t = tables.classes[ci]
+        if not t.num_devices:       # no node of this class holds the tensor-parallel degree
+            continue
         out.update(stage_count_options(tables.num_blocks, t.num_devices, t.per_node, None))
     return sorted(out)
 
@@ -174,6 +183,8 @@ def _even_layout(tables: CostTables, classes: list[int], balanced: bool, strict:
     def layout(S: int, m: int) -> list[Replica] | None:
         configs = []
         for ci in classes:
+            if not tables.classes[ci].num_devices:    # none at this tensor-parallel degree
+                continue
             cfg = make_config(tables, ci, S, m, balanced)
             if cfg is None:
                 if strict:
@@ -191,6 +202,8 @@ def _metis_layout(tables: CostTables) -> Layout:
     def layout(S: int, m: int) -> list[Replica] | None:
         configs = []
         for ci, table in enumerate(tables.classes):
+            if not table.num_devices:    # none at this tensor-parallel degree
+                continue
             cfg = make_config(tables, ci, S, m, balanced=True)
             if cfg is not None:
                 configs.extend([cfg] * pipelines_per_class(table, S))
@@ -207,7 +220,7 @@ def _fail(name: str, tables: CostTables, why: str) -> PlanningError:
                          fix="use --strategy ilp, more devices, or devices with more memory")
 
 
-def uniform_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
+def uniform_solution(tables: CostTables, options: SearchOptions) -> Priced:
     """Smallest depth whose equal-block split fits every class (else: the classes it fits)."""
     everyone = list(range(len(tables.classes)))
     depths, micros = _depths(tables, everyone, options), _micro_batches(tables, options)
@@ -216,10 +229,10 @@ def uniform_solution(tables: CostTables, options: SearchOptions) -> candidates.S
                  first_fit=True)
     if sol is None:
         raise _fail("uniform", tables, "no depth lets an equal-block split fit on any device class")
-    return sol
+    return sol, tables
 
 
-def fastest_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
+def fastest_solution(tables: CostTables, options: SearchOptions) -> Priced:
     """Only the fastest device type (least compute time per sample over all blocks)."""
     if options.use_all_devices:
         raise PlanningError("baseline `fastest` uses one device type only", field="--use-all-devices",
@@ -232,26 +245,47 @@ def fastest_solution(tables: CostTables, options: SearchOptions) -> candidates.S
                 _micro_batches(tables, options))
     if sol is None:
         raise _fail("fastest", tables, f"the model fits on no pipeline of {fastest} devices")
-    return sol
+    return sol, tables
 
 
-def megatron_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
-    """Best common depth over all devices (classes that cannot hold a depth sit out of it)."""
-    everyone = list(range(len(tables.classes)))
-    sol = _best(tables, _even_layout(tables, everyone, balanced=False, strict=False),
-                _depths(tables, everyone, options), _micro_batches(tables, options))
+def megatron_degree(tables: CostTables, options: SearchOptions) -> int:
+    """Megatron's tensor-parallel degree: `--tp` where given, else the largest degree the model's pairs
+    divide that every class's nodes hold (TP = GPUs per node where the model allows it)."""
+    if options.tp is not None:
+        return options.tp
+    held = [t for t in tensor_parallel.usable_degrees(tables, tables.shardings)
+            if all(c.per_node % t == 0 for c in tables.classes if c.num_devices)]
+    return max(held, default=1)
+
+
+def megatron_solution(tables: CostTables, options: SearchOptions) -> Priced:
+    """TP inside nodes, the fewest stages at which equal blocks fit (classes that cannot hold that
+    depth sit out), the rest data parallel with equal shares; the best micro-batch size there."""
+    degree = megatron_degree(tables, options)
+    at_t = tensor_parallel.at_degree(tables, tables.shardings, degree)
+    everyone = list(range(len(at_t.classes)))
+    sol = _best(at_t, _even_layout(at_t, everyone, balanced=False, strict=False),
+                _depths(at_t, everyone, options), _micro_batches(at_t, options), first_fit=True)
     if sol is None:
-        raise _fail("megatron", tables, "no depth lets an equal-block split fit on any device class")
-    return sol
+        raise _fail("megatron", at_t, f"no depth lets an equal-block split fit on any device class at "
+                                      f"tensor-parallel degree {degree}")
+    return sol, at_t
 
 
-def metis_solution(tables: CostTables, options: SearchOptions) -> candidates.Solution:
-    """Best common depth; per-class balanced splits; shares proportional to replica speed."""
-    everyone = list(range(len(tables.classes)))
-    sol = _best(tables, _metis_layout(tables), _depths(tables, everyone, options), _micro_batches(tables, options))
-    if sol is None:
-        raise _fail("metis", tables, "no depth lets a balanced split fit on any device class")
-    return sol
+def metis_solution(tables: CostTables, options: SearchOptions) -> Priced:
+    """Per usable tensor-parallel degree: the best common depth, per-class balanced splits, shares
+    proportional to replica speed; the best over the degrees (ties: the lower degree)."""
+    best: Priced | None = None
+    for degree in tensor_parallel.usable_degrees(tables, tables.shardings, options.tp, options.use_all_devices):
+        at_t = tensor_parallel.at_degree(tables, tables.shardings, degree)
+        everyone = list(range(len(at_t.classes)))
+        sol = _best(at_t, _metis_layout(at_t), _depths(at_t, everyone, options), _micro_batches(at_t, options))
+        if sol is not None and (best is None or sol.objective_s < best[0].objective_s):
+            best = sol, at_t
+    if best is None:
+        raise _fail("metis", tables, "no depth lets a balanced split fit on any device class at any "
+                                     "tensor-parallel degree")
+    return best
 
 
 def as_gpipe(tables: CostTables, solution: candidates.Solution) -> candidates.Solution:
@@ -327,7 +361,7 @@ def dp_solution(tables: CostTables, options: SearchOptions) -> candidates.Soluti
     return found[0]
 
 
-SOLVERS: dict[str, Callable[[CostTables, SearchOptions], candidates.Solution]] = {
+SOLVERS: dict[str, Callable[[CostTables, SearchOptions], Priced]] = {
     "uniform": uniform_solution, "fastest": fastest_solution, "megatron": megatron_solution,
     "metis": metis_solution,
 }
@@ -340,7 +374,10 @@ FIRST_TRIES: dict[str, Callable[[CostTables, SearchOptions], candidates.Solution
 def run(name: str, *, tables: CostTables, blocks: list[Block], spec: ClusterSpec, inputs: PlanInputs,
         options: SearchOptions) -> Plan:
     """Plan with baseline `name` (a key of SOLVERS or FIRST_TRIES); the plan is verified, memory included."""
-    solution = {**SOLVERS, **FIRST_TRIES}[name](tables, options)
+    if name in SOLVERS:
+        solution, tables = SOLVERS[name](tables, options)
+    else:
+        solution = FIRST_TRIES[name](tables, options)
     if options.schedule == "gpipe" and name != "dp":    # dp's candidates already run the schedule asked for
         solution = as_gpipe(tables, solution)
     plan = assemble(solution=solution, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name)

@@ -28,6 +28,8 @@ def micro_batch_options(global_batch: int, limit: int = 64) -> list[int]:
 
 def stage_count_options(num_blocks: int, num_devices: int, per_node: int,
                         fixed: int | None) -> list[int]:
+    if num_devices <= 0 or per_node <= 0:     # a class with no devices at this tensor-parallel degree
+        return []
     if fixed is not None:
         return [fixed] if fixed <= min(num_blocks, num_devices) else []
     options = {s for s in range(1, per_node + 1) if per_node % s == 0}
@@ -62,7 +64,10 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
                            for m, split in align.class_splits(tables, ci, S, micro_options, shared, own))
     # mixed pipelines multiply the replica shapes; on large clusters every class has devices enough
     # for its own pipelines, so they are offered there only when no single-class pipeline fits
-    if mixed_pipelines and (not configs or sum(t.num_devices for t in tables.classes) <= MIXED_MAX_DEVICES):
+    # (GPUs counted: at a tensor-parallel degree t a table's "device" is t of them, costmodel.tensor_parallel,
+    # and counting groups would open the gate at TP on clusters of 128 to 512 GPUs: 460 s at 128)
+    gpus = sum(t.num_devices * t.tp_degree for t in tables.classes)
+    if mixed_pipelines and (not configs or gpus <= MIXED_MAX_DEVICES):
         configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
     # each configuration's stages: which gradient compressors' state fits beside their peak memory
     configs = with_compressor_room(tables, schedules.with_schedules(tables, configs, schedule))

@@ -40,9 +40,10 @@ def check_prices(tables: CostTables, source: str | None) -> None:
 
 
 def solve_cost(tables: CostTables, configs: list[candidates.Config], settings: SolverSettings,
-               use_all_devices: bool = False) -> list[candidates.Solution]:
-    """The cheapest plan per sample over the time ladder, then the fastest plan (a runner-up)."""
-    fastest = ilp.solve_regimes(tables, configs, settings, use_all_devices)
+               use_all_devices: bool = False, min_replicas: int = 1) -> list[candidates.Solution]:
+    """The cheapest plan per sample over the time ladder, then the fastest plan (a runner-up); at least
+    `min_replicas` replicas."""
+    fastest = ilp.solve_regimes(tables, configs, settings, use_all_devices, min_replicas)
     if not fastest:
         return []
     items = ilp.pareto_items(tables, configs)
@@ -51,7 +52,7 @@ def solve_cost(tables: CostTables, configs: list[candidates.Config], settings: S
     for factor in TIME_LADDER:
         for one_node in ([False] if use_all_devices else [False, True]):
             found = ilp.solve_regime(tables, configs, items, one_node, settings, use_all_devices,
-                                      max_time_ns=math.ceil(t_star_ns * factor))
+                                      max_time_ns=math.ceil(t_star_ns * factor), min_replicas=min_replicas)
             if found is not None:
                 candidates.append(found)
     best = min(candidates, key=lambda s: (cost_per_sample(tables, s), s.objective_s))

@@ -173,8 +173,9 @@ def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, 
 
 
 def solve_exact(tables: CostTables, configs: list[candidates.Config], use_all_devices: bool = False,
-                ) -> ExactResult | None:
-    """The optimum of the ILP's model by enumeration; None when nothing covers the batch.
+                min_replicas: int = 1) -> ExactResult | None:
+    """The optimum of the ILP's model by enumeration; None when nothing covers the batch. At least
+    `min_replicas` replicas (ilp.solve_regime's bound: a ZeRO variant's group, planner.search.degrees).
 
     Splits combine only when their cuts are nested, so the enumeration runs once per maximal family
     of such splits (within a family each (class, stage count) has one split) and keeps the best."""
@@ -183,7 +184,7 @@ def solve_exact(tables: CostTables, configs: list[candidates.Config], use_all_de
     examined = 0
     for family in split_families(configs, every):
         items = [it for it in every if configs[it.config].split.bounds in family]
-        result = _solve_family(tables, configs, items, use_all_devices)
+        result = _solve_family(tables, configs, items, use_all_devices, min_replicas)
         if result is None:
             continue
         examined += result.assignments
@@ -194,7 +195,7 @@ def solve_exact(tables: CostTables, configs: list[candidates.Config], use_all_de
 
 
 def _solve_family(tables: CostTables, configs: list[candidates.Config], items: list[Item], use_all_devices: bool,
-                  ) -> ExactResult | None:
+                  min_replicas: int = 1) -> ExactResult | None:
     B = tables.global_batch
     shapes = sorted({configs[it.config].shape for it in items})
     levels = np.array(sorted({it.time_ns for it in items}), dtype=np.int64)
@@ -221,7 +222,7 @@ def _solve_family(tables: CostTables, configs: list[candidates.Config], items: l
         for vec in vectors:
             counts = np.array(vec, dtype=np.int64)
             R = int(counts.sum())
-            if R == 0:
+            if R == 0 or R < min_replicas:
                 continue
             used = np.nonzero(counts)[0]
             if one_node and not _fits_one_node(tables, shapes, counts, used):
@@ -251,9 +252,9 @@ def _solve_family(tables: CostTables, configs: list[candidates.Config], items: l
 
 
 def exact_solution(tables: CostTables, configs: list[candidates.Config],
-                   use_all_devices: bool = False) -> candidates.Solution | None:
+                   use_all_devices: bool = False, min_replicas: int = 1) -> candidates.Solution | None:
     """solve_exact as a candidates.Solution, for assemble() (the `exact` strategy)."""
-    result = solve_exact(tables, configs, use_all_devices)
+    result = solve_exact(tables, configs, use_all_devices, min_replicas)
     if result is None:
         return None
     return candidates.Solution(choices=result.choices, pipeline_s=result.pipeline_s, sync_s=result.sync_s,

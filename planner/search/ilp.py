@@ -93,9 +93,13 @@ def replica_grid(max_replicas: int) -> list[int]:
 
 def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
                  settings: SolverSettings, use_all_devices: bool = False,
-                 max_time_ns: int | None = None) -> Solution | None:
+                 max_time_ns: int | None = None, min_replicas: int = 1,
+                 cutoff_ns: int | None = None) -> Solution | None:
     """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node.
-    With `max_time_ns`: minimise the price per hour of the devices used, the time at most that."""
+    With `max_time_ns`: minimise the price per hour of the devices used, the time at most that.
+    At least `min_replicas` replicas (a ZeRO variant's group, costmodel.sharded_state). With `cutoff_ns`
+    (the best time another variant reached, planner.search.degrees) only plans at most that fast are sought:
+    a variant that cannot beat it is proven so, usually by the LP bound, instead of solved to its optimum."""
     B = tables.global_batch
     model = cp_model.CpModel()
     max_replicas = sum(t.num_devices for t in tables.classes)
@@ -125,7 +129,9 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
         model.add(n[i] <= n_max[i] * ge[level_of[item.time_ns]])
     t_pipe = sum(ge[l] * (levels[l] - (levels[l - 1] if l else 0)) for l in range(len(levels)))
 
-    replicas = model.new_int_var(1, max_replicas, "replicas")
+    if min_replicas > max_replicas:
+        return None
+    replicas = model.new_int_var(min_replicas, max_replicas, "replicas")
     model.add(replicas == sum(n))
     # Replica count as a staircase too: above[l] <=> R > grid[l]; sync time is charged at the next
     # grid point (exact on the grid, an upper bound between points). Cheaper than an element
@@ -179,6 +185,8 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
                 model.add_max_equality(flag, flags)
                 any_used.append(flag)
         model.add(sum(any_used) <= 1)
+    if cutoff_ns is not None:
+        model.add(t_pipe + t_sync <= cutoff_ns)
     if max_time_ns is None:
         model.minimize(t_pipe + t_sync)
     else:   # cents per hour, integral; planner.search.cost checks every class has a price
@@ -208,12 +216,15 @@ def solve(tables: CostTables, configs: list[Config], settings: SolverSettings = 
 
 
 def solve_regimes(tables: CostTables, configs: list[Config], settings: SolverSettings = DEFAULT_SETTINGS,
-                  use_all_devices: bool = False) -> list[Solution]:
+                  use_all_devices: bool = False, min_replicas: int = 1,
+                  cutoff_s: float | None = None) -> list[Solution]:
     """The best plan of each topology regime that has one, best first."""
     items = pareto_items(tables, configs)
     if not items:
         return []
     regimes = [False] if use_all_devices else [False, True]
-    found = [s for s in (solve_regime(tables, configs, items, one, settings, use_all_devices)
+    cutoff_ns = None if cutoff_s is None or cutoff_s == float("inf") else to_ns(cutoff_s)
+    found = [s for s in (solve_regime(tables, configs, items, one, settings, use_all_devices,
+                                      min_replicas=min_replicas, cutoff_ns=cutoff_ns)
                          for one in regimes) if s is not None]
     return sorted(found, key=lambda s: (s.objective_s, s.one_node))

@@ -9,10 +9,8 @@ from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import PlanningError
 from planner.core.ir import Plan, PlanInputs
-from planner.search import baselines, candidates, cost, explain, ilp
+from planner.search import baselines, candidates, cost, degrees, explain
 from planner.search.assemble import assemble
-from planner.search.configs import build_configs
-from planner.search.enumerate import exact_solution
 from planner.search.options import SearchOptions
 
 STRATEGIES = ("ilp", "exact", *baselines.SOLVERS, *baselines.FIRST_TRIES)
@@ -31,24 +29,23 @@ def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block],
                             fix=f"use one of: {', '.join(STRATEGIES)}")
     if name in baselines.SOLVERS or name in baselines.FIRST_TRIES:
         return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options), []
-    configs = build_configs(tables, options.stages, options.micro_batch, schedule=options.schedule)
-    if not configs:
-        raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
-                            fix=explain.what_would_fit(tables))
-    if name == "exact":   # enumeration of the ILP's space: small clusters only
-        exact = exact_solution(tables, configs, use_all_devices=options.use_all_devices)
-        solutions = [exact] if exact else []
-    elif options.objective == "cost":
+    if options.objective == "cost":
         cost.check_prices(tables, spec.source_path)
-        solutions = cost.solve_cost(tables, configs, options.solver, use_all_devices=options.use_all_devices)
-    else:
-        solutions = ilp.solve_regimes(tables, configs, options.solver, use_all_devices=options.use_all_devices)
-    if not solutions:
+    found = degrees.best(tables, options)
+    if not found:
+        if not degrees.variants(tables, options):
+            raise PlanningError(explain.nothing_fits(tables, options.stages), file=str(inputs.model_path),
+                                fix=explain.what_would_fit(tables))
         raise PlanningError("the solver found no plan within its time limit", fix="raise --time-limit")
-    plans = [assemble(solution=s, tables=tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name)
-             for s in solutions]
-    def label(s: candidates.Solution) -> str:
-        if options.objective == "cost":
-            return f"{name} fastest"
-        return f"{name} {'one-node' if s.one_node else 'spread'}"
-    return plans[0], [(label(s), p) for s, p in zip(solutions[1:], plans[1:])]
+    top = found[0][1]
+    # the chosen variant's other regime, and the best plan of another variant (as runners-up)
+    kept = [sv for sv in found if sv[1] is top][:1 if name == "exact" else 2]
+    kept += [sv for sv in found if sv[1] is not top][:1]
+    plans = [assemble(solution=s, tables=v.tables, blocks=blocks, spec=spec, inputs=inputs, strategy=name)
+             for s, v in kept]
+
+    def label(s: candidates.Solution, v: degrees.Variant) -> str:
+        what = "fastest" if options.objective == "cost" else ("one-node" if s.one_node else "spread")
+        return f"{name} {what}" + (f" tp{v.tp_degree}" if v.tp_degree > 1 else "") + \
+            (f" zero{v.zero_group}" if v.zero_group > 1 else "")
+    return plans[0], [(label(s, v), p) for (s, v), p in zip(kept[1:], plans[1:])]

@@ -3,9 +3,13 @@ loads what it needs: DCP reads by name, so each rank asks only for the names it 
 
   model/<name>                          parameters and buffers by the model's qualified names (a tied
                                         tensor under one name: the first of its aliases in the model's
-                                        state-dict order, `canonical_names`)
+                                        state-dict order, `canonical_names`; a tensor-parallel shard as
+                                        <name>@tp<j>of<t>, `shard_name`: a plan of the same degree
+                                        reads it, another says which name it lacks)
   optim/<name>/<key>                    optimizer state per parameter (AdamW exp_avg, exp_avg_sq, step;
-                                        SGD momentum_buffer; 1-bit Adam's also variance_step)
+                                        SGD momentum_buffer; 1-bit Adam's also variance_step); in a
+                                        `zero` gradient group written and read by the parameter's
+                                        owner alone (zero.held_parameters)
   compressor/<group>/rank<r>/<key>      gradient-compressor state per plan group and plan rank
   scaler/<key>                          the fp16 loss scaler's state (plan-wide)
   rng/rank<r>/cpu, rng/rank<r>/cuda     each rank's torch generator states
@@ -42,6 +46,7 @@ from planner.core.ir import Plan
 
 from .checkpoint import CheckpointError, step_of
 from .precision import LossScaler
+from .zero import held_parameters
 
 MODEL, OPTIM, COMPRESSOR, SCALER, RNG, META = "model/", "optim/", "compressor/", "scaler/", "rng/", "meta/"
 
@@ -59,6 +64,11 @@ def canonical_names(module: torch.nn.Module) -> dict[str, str]:
     for name, tensor in module.state_dict(keep_vars=True).items():
         out[name] = first.setdefault(id(tensor), name)
     return out
+
+
+def shard_name(name: str, lane: int, degree: int) -> str:
+    """The name shard `lane` of `degree` of the parameter `name` is saved under (and its optimizer state)."""
+    return f"{name}@tp{lane}of{degree}"
 
 
 @dataclass
@@ -85,11 +95,10 @@ def collect(state: RankState, steps_done: int) -> dict[str, Any]:
     DCP's staging copies them)."""
     out: dict[str, Any] = {MODEL + name: t.detach() for name, t in state.tensors.items()}
     names = state._param_names()
-    for group in state.optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in state.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) or isinstance(value, (int, float)):
-                    out[f"{OPTIM}{names[id(p)]}/{key}"] = value
+    for p in held_parameters(state.optimizer):
+        for key, value in state.optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor) or isinstance(value, (int, float)):
+                out[f"{OPTIM}{names[id(p)]}/{key}"] = value
     for index, compressor in state.compressors.items():
         for key, value in compressor.state_dict().items():
             out[f"{COMPRESSOR}{index}/rank{state.rank}/{key}"] = value
@@ -138,7 +147,8 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
                                   f"{list(tensor.shape)} here", file=str(folder),
                                   fix="resume from a checkpoint of this model's configuration")
         request[MODEL + name] = tensor.detach()           # filled in place
-    wanted_prefixes = [OPTIM + name + "/" for name in state._param_names().values()]
+    names = state._param_names()
+    wanted_prefixes = [OPTIM + names[id(p)] + "/" for p in held_parameters(state.optimizer)]
     mine = (f"{COMPRESSOR}", f"{RNG}rank{state.rank}/", SCALER, META)
     for key, entry in entries.items():
         if key.startswith(OPTIM) and any(key.startswith(p) for p in wanted_prefixes):
@@ -198,14 +208,13 @@ def _restore_optimizer(request: Mapping[str, Any], state: RankState, keep_freeze
     """Each parameter's optimizer state from its `optim/<name>/` entries (state tensors shaped like the
     parameter go to its device; the step counters stay on the CPU, as torch keeps them)."""
     names = state._param_names()
-    for group in state.optimizer.param_groups:
-        for p in group["params"]:
-            prefix = f"{OPTIM}{names[id(p)]}/"
-            loaded = {k.removeprefix(prefix): v for k, v in request.items() if k.startswith(prefix)}
-            if loaded:
-                state.optimizer.state[p] = {
-                    k: v.to(p.device) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
-                    for k, v in loaded.items()}
+    for p in held_parameters(state.optimizer):
+        prefix = f"{OPTIM}{names[id(p)]}/"
+        loaded = {k.removeprefix(prefix): v for k, v in request.items() if k.startswith(prefix)}
+        if loaded:
+            state.optimizer.state[p] = {
+                k: v.to(p.device) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                for k, v in loaded.items()}
     freeze = request.get(META + "onebit_freeze_step")
     if isinstance(state.optimizer, OneBitAdamW) and freeze is not None and not keep_freeze_step:
         state.optimizer.freeze_step = int(freeze)

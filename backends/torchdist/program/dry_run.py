@@ -40,7 +40,7 @@ from planner import frontend
 from planner.core.errors import HetplanError
 from planner.core.ir import Plan
 
-from . import data, materialise, memory, stages
+from . import data, materialise, memory, stages, tensor_parallel
 
 
 def replica_records(plan: Plan, here: Path, replica: int, seed: int = 0) -> list[dict[str, object]]:
@@ -49,8 +49,12 @@ def replica_records(plan: Plan, here: Path, replica: int, seed: int = 0) -> list
     model_file = frontend.load_model_file(here / "model.py", functions)
     shape = plan.replicas[replica]
     meta = materialise.build_meta(model_file, seed)
+    degree = shape.tp_degree        # tensor parallelism: shard 0's graphs (meta skips the collectives)
+    shards = tensor_parallel.Shards(degree, 0, None) if degree > 1 else None
     graphs = stages.StageGraphs(meta, model_file, [s.last_node for s in shape.stages], shape.micro_batch_sizes,
-                                lambda rows: data.meta_inputs(model_file, rows))
+                                lambda rows: data.meta_inputs(model_file, rows),
+                                shard=shards.shard_graph if shards else None)
+    split = shards.specs() if shards else {}
     start_up_s = time.perf_counter() - STARTED_S
     replica_params: dict[int, torch.nn.Parameter] = {}
     out: list[dict[str, object]] = []
@@ -63,9 +67,10 @@ def replica_records(plan: Plan, here: Path, replica: int, seed: int = 0) -> list
         held = {name: meta.module.get_parameter(name) for name in names if name not in meta.buffers}
         unique = {id(p): p for p in held.values()}
         replica_params.update(unique)
+        shard_numel = {id(p): p.numel() // (degree if name in split else 1) for name, p in held.items()}
         out.append({"rank": stage.rank, "replica": replica, "stage": stage.index, "device": stage.device_label,
-                    "param_count": sum(p.numel() for p in unique.values()),
-                    "param_bytes": sum(p.numel() * p.element_size() for p in unique.values()),
+                    "param_count": sum(shard_numel[i] for i in unique),
+                    "param_bytes": sum(shard_numel[i] * p.element_size() for i, p in unique.items()),
                     "saved_activation_bytes": saved_bytes, "micro_batch_sizes": graphs.sizes,
                     "start_up_s": round(start_up_s, 3), "peak_memory_bytes": memory.own_peak_resident_bytes()})
     for record in out:      # every parameter once, tied ones too: the replica holds the whole model

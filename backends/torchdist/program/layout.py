@@ -20,11 +20,13 @@ def rows(plan: Plan) -> list[tuple[str, ...]]:
     out = []
     for replica in plan.replicas:
         for stage in replica.stages:
-            out.append((str(stage.rank), str(node_rank[stage.rank]), printable(stage.device_label),
-                        printable(stage.device_type), str(replica.index), f"{stage.index}/{len(replica.stages)}",
-                        stage.precision + (" +recompute" if stage.recompute else ""),
-                        f"{stage.first_block}-{stage.last_block}",
-                        f"{replica.batch_share} rows as {list(replica.micro_batch_sizes)} ({replica.schedule})"))
+            for lane, (rank, _, label) in enumerate(stage.rank_devices()):
+                shard = f" tp {lane + 1}/{stage.tp_degree}" if stage.tp_degree > 1 else ""
+                out.append((str(rank), str(node_rank[rank]), printable(label), printable(stage.device_type),
+                            str(replica.index), f"{stage.index}/{len(replica.stages)}{shard}",
+                            stage.precision + (" +recompute" if stage.recompute else ""),
+                            f"{stage.first_block}-{stage.last_block}",
+                            f"{replica.batch_share} rows as {list(replica.micro_batch_sizes)} ({replica.schedule})"))
     return sorted(out, key=lambda row: int(row[0]))
 
 

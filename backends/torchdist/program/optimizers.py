@@ -2,12 +2,14 @@
 
 AdamW with torch's defaults but the learning rate, or SGD with momentum 0.9: what the single-process
 reference (backends.torchdist.reference) builds. Under AdamW the parameters of `onebit` gradient groups
-train with 1-bit Adam (backends.compression.onebit_adam) instead. A stage without parameters (the last
+train with 1-bit Adam (backends.compression.onebit_adam) instead, and the parameters of `zero` groups
+keep their optimizer state sharded across the group (ZeRO-1, zero.py). A stage without parameters (the last
 stage only casts the logits) has no optimizer step: `NoParameters`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,7 +19,7 @@ from backends.compression import OneBitAdamW, freeze_step
 from planner.core.errors import PlanFileError
 from planner.core.ir import Plan
 
-from . import precision
+from . import precision, zero
 from .gradsync import GradientSync
 
 
@@ -64,6 +66,7 @@ def make_stage_optimizer(name: str, params: list[nn.Parameter], grad_sync: Gradi
     `onebit` groups train with 1-bit Adam (OneBitAdamW: exact AdamW for `onebit_freeze_step` steps,
     then frozen variance and 1-bit compressed momentum in place of the group's gradient sync; see
     backends.compression.onebit_adam). 1-bit compression on the gradients themselves only suits SGD.
+    The `zero` groups' optimizer state is sharded across their ranks (zero.ShardedStageOptimizer).
     One optimizer for all of the rank's parameters, so that fp16 loss scaling unscales them and skips
     the step together; `NoParameters` for a stage without any.
     """
@@ -71,6 +74,10 @@ def make_stage_optimizer(name: str, params: list[nn.Parameter], grad_sync: Gradi
         return NoParameters()
     if grad_sync.exchanges:
         raise RuntimeError("make_stage_optimizer: the 1-bit groups' compressors already belong to an optimizer")
+    zero.check_groups([g.plan for g in grad_sync.groups], name)
+    shards = zero.sharded_groups(grad_sync)
+    if shards:
+        return zero.ShardedStageOptimizer(params, shards, functools.partial(make_optimizer, name, lr=lr))
     if name != "adamw":
         return make_optimizer(name, params, lr)
     handed = grad_sync.momentum_exchanges()     # the exchanges stay listed in grad_sync.exchanges

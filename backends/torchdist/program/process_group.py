@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from passes.comm.derive import tp_groups
 from planner.core.ir import Plan, ReplicaPlan, StagePlan
 
 from .placement import LaunchError, Placement, uses_cuda
@@ -46,6 +47,8 @@ class Context:
     stage: StagePlan
     device: torch.device
     grad_groups: dict[int, dist.ProcessGroup | None]   # plan group index -> process group (members only)
+    lane: int = 0                                       # this rank's tensor-parallel shard of its stage
+    tp_group: dist.ProcessGroup | None = None           # the stage's shards (None: no tensor parallelism)
 
     @property
     def num_stages(self) -> int:
@@ -60,7 +63,8 @@ class Context:
         return self.stage.index == self.num_stages - 1
 
     def rank_of_stage(self, stage: int) -> int:
-        return self.replica.stages[stage].rank
+        """The rank of stage `stage` this rank exchanges activations with: the same shard lane's."""
+        return self.replica.stages[stage].ranks[self.lane]
 
 
 def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
@@ -114,4 +118,10 @@ def init(plan: Plan, placement: Placement, timeout_s: float) -> Context:
         pg = dist.new_group(list(g.ranks), timeout=timeout)
         if placement.rank in g.ranks:
             groups[g.index] = pg
-    return Context(placement.rank, plan.world_size, replica, stage, device, groups)
+    tp_group = None
+    for _, ranks in tp_groups(plan):         # then each stage's shards (passes.comm derives this order)
+        pg = dist.new_group(list(ranks), timeout=timeout)
+        if placement.rank in ranks:
+            tp_group = pg
+    return Context(placement.rank, plan.world_size, replica, stage, device, groups,
+                   lane=stage.ranks.index(placement.rank), tp_group=tp_group)

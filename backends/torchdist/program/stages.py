@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from passes.split import StageSplit, attr_name, split_stages
+from passes.tensor_parallel.collectives import TP_GROUP_ATTR
 from planner import frontend
 from planner.core.errors import ModelFileError
 
@@ -30,20 +31,24 @@ class StageGraphs:
     """The model's stage graphs at each micro-batch size in `sizes`, split after `last_nodes`, to run on
     `device` ("meta": a dry run).
 
-    `meta_inputs(rows)` gives the model's inputs of `rows` rows on the meta device.
+    `meta_inputs(rows)` gives the model's inputs of `rows` rows on the meta device; `shard` rewrites each
+    traced graph before it is split (tensor parallelism: the rank's shard of every column/row pair).
     """
 
     def __init__(self, meta: MetaModel, model_file: frontend.ModelFile, last_nodes: list[str],
                  sizes: Iterable[int], meta_inputs: Callable[[int], tuple[Any, ...]],
-                 device: torch.device | str = "meta") -> None:
+                 device: torch.device | str = "meta",
+                 shard: Callable[[fx.GraphModule], None] | None = None) -> None:
         self.meta, self.model_file, self.last_nodes = meta, model_file, last_nodes
         self._splits: dict[int, StageSplit] = {}
         self._targets: dict[str, str] = {}       # a stage module's attribute -> the model's qualified name
         for rows in sorted(set(sizes)):
             gm = frontend.trace(meta.module, meta_inputs(rows), file=str(model_file.path), replicate_repeated=True)
             on_device(gm, torch.device(device))
+            if shard is not None:        # tensor parallelism: this rank's shard of each pair (tensor_parallel.py)
+                shard(gm)
             self._targets.update({attr_name(str(n.target)): str(n.target) for n in gm.graph.nodes
-                                  if n.op == "get_attr"})
+                                  if n.op == "get_attr" and str(n.target) != TP_GROUP_ATTR})
             self._splits[rows] = split_stages(gm, last_nodes)
 
     @property
@@ -59,7 +64,7 @@ class StageGraphs:
         names: list[str] = []
         for split in self._splits.values():
             for node in split.stages[stage].module.graph.nodes:
-                if node.op == "get_attr":
+                if node.op == "get_attr" and _is_tensor(node):
                     names.append(self._model_name(str(node.target)))
         return list(dict.fromkeys(names))
 
@@ -81,7 +86,7 @@ class StageGraphs:
         for split in self._splits.values():
             module = split.stages[stage].module
             for node in module.graph.nodes:
-                if node.op != "get_attr":
+                if node.op != "get_attr" or not _is_tensor(node):
                     continue
                 attr = str(node.target)
                 value = values[self._model_name(attr)]
@@ -89,6 +94,11 @@ class StageGraphs:
                     module.register_parameter(attr, value)
                 else:
                     module.register_buffer(attr, value)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    """A get_attr of a model tensor (not the tensor-parallel group a sharded graph reads)."""
+    return attr_name(str(node.target)) != attr_name(TP_GROUP_ATTR) and str(node.target) != TP_GROUP_ATTR
 
 
 def on_device(gm: fx.GraphModule, device: torch.device) -> None:

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from planner import frontend
-from planner.core.errors import HetplanError
+from planner.core.errors import HetplanError, OptionError
 from planner.core.ir import Plan
 
 from . import (
@@ -77,6 +77,7 @@ from . import (
     process_group,
     rebalance,
     stages,
+    tensor_parallel,
     weights,
 )
 
@@ -138,15 +139,18 @@ def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.Mod
     sizes, and only this stage's tensors given values (the init contract, materialise.py) on its device.
     Returns the graphs, the stage's parameters and all its tensors (parameters and buffers) by name."""
     meta = materialise.build_meta(model_file, args.seed)
+    shards = tensor_parallel.Shards.of(ctx)            # None without tensor parallelism
     graphs = stages.StageGraphs(meta, model_file, [s.last_node for s in ctx.replica.stages],
                                 ctx.replica.micro_batch_sizes, lambda rows: data.meta_inputs(model_file, rows),
-                                ctx.device)
+                                ctx.device, shard=shards.shard_graph if shards else None)
     names = graphs.tensor_names(ctx.stage.index) + list(ctx.stage.params)
     values = materialise.materialise(meta, names, ctx.device)
     if args.weights is not None:         # the checkpoint's values replace the contract's, name by name
         expected = weights.model_tensors(meta.module)
         weights.load_into(args.weights, {n: v for n, v in values.items() if n in expected},
                           weights.tied_aliases(meta.module), model_names=list(expected))
+    if shards is not None:               # this rank's slice of each parameter the pairs split
+        values = shards.shard_values(values)
     graphs.install(ctx.stage.index, values)
     params = {name: values[name] for name in ctx.stage.params}
     return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}, values
@@ -165,7 +169,18 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
         raise
 
 
+def _check_tensor_parallel(plan: Plan, args: argparse.Namespace) -> None:
+    """What a plan with tensor parallelism does not run yet, refused on every rank alike (one line each)."""
+    if plan.tp_degree == 1:
+        return
+    if args.rebalance:
+        raise OptionError(f"--rebalance is not supported yet for a plan with tensor parallelism (degree "
+                          f"{plan.tp_degree}): a rebalanced step re-traces the stage without its shards",
+                          field="--rebalance", fix="re-plan with --tp 1 for this run, or run without --rebalance")
+
+
 def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Namespace) -> None:
+    _check_tensor_parallel(plan, args)
     if ctx.rank == 0:
         print(layout.table(plan), flush=True)
     functions = dict(plan.program.functions) if plan.program else {}
@@ -205,7 +220,8 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
         optimizer.zero_grad(set_to_none=False)                  #  1-bit Adam exchanges momentum here)
         rebalanced = rebalancer.after_step(step) if rebalancer else {}   # new shares apply from the next step
         step_time_s = time.perf_counter() - start
-        loss = torch.tensor([contribution], dtype=torch.float64, device=ctx.device)
+        # a replica's shard lanes compute the same loss: lane 0's counts
+        loss = torch.tensor([contribution if ctx.lane == 0 else 0.0], dtype=torch.float64, device=ctx.device)
         dist.all_reduce(loss)                               # mean over the global batch
         by_group = grad_sync.step_wire_bytes_by_group()
         log.log(step=step, loss=float(loss), step_time_s=step_time_s,
@@ -234,10 +250,18 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
 def _rank_state(plan: Plan, ctx: process_group.Context, args: argparse.Namespace, graphs: stages.StageGraphs,
                 tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, grad_sync: gradsync.GradientSync,
                 scaler: precision.LossScaler | None) -> checkpoint_state.RankState:
-    """What a checkpoint of this rank holds, by the model's names (a tied tensor under one of them)."""
+    """What a checkpoint of this rank holds, by the model's names (a tied tensor under one of them; a
+    tensor-parallel shard under its name and shard, checkpoint_state.shard_name)."""
     canonical = checkpoint_state.canonical_names(graphs.meta.module)
+    full = {name: tuple(t.shape) for name, t in graphs.meta.module.state_dict(keep_vars=True).items()}
+
+    def key(name: str, t: torch.Tensor) -> str:
+        saved = canonical.get(name, name)
+        if name in full and tuple(t.shape) != full[name]:      # this lane's slice of a split parameter
+            return checkpoint_state.shard_name(saved, ctx.lane, ctx.stage.tp_degree)
+        return saved
     return checkpoint_state.RankState(
-        tensors={canonical.get(name, name): t for name, t in tensors.items()}, optimizer=optimizer,
+        tensors={key(name, t): t for name, t in tensors.items()}, optimizer=optimizer,
         compressors=grad_sync.compressors(), scaler=scaler, rank=ctx.rank, device=ctx.device, seed=args.seed,
         optimizer_name=args.optimizer, plan_digest=checkpoint_state.plan_digest(plan),
         plan_compresses=any(g.compressor != "none" for g in plan.grad_groups))

@@ -1,0 +1,53 @@
+"""ZeRO-1 priced: the cost tables of stages whose optimizer state is sharded across their replicas.
+
+With the AdamW moments of a stage's parameters split over a gradient group of at least z ranks, each
+rank keeps its weights and gradients whole and 1/z of the moments, steps only its part (1/z of the
+optimizer's time) and then gathers the others' updated parts: (z-1)/z of the stage's parameters over
+the network between nodes (the group spans replicas) after every step, one broadcast per parameter
+tensor from its owner (what torch's ZeroRedundancyOptimizer issues; benchmarks/fidelity_collectives.py
+counts them). The tables price the group at its smallest size z; the search then keeps at least z replicas
+(planner.search.degrees), and a larger group only needs less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from costmodel import constants as C
+from costmodel.tables import ClassTable, CostTables
+
+ADAMW_MOMENT_FACTOR = 2.0      # of ADAMW_STATE_FACTOR's weights + gradients + two moments
+
+
+def moment_bytes(state_bytes: float, precision: str) -> float:
+    """The AdamW moments' part of a block's training state (costmodel.memory.state_bytes)."""
+    factor = C.ADAMW_STATE_FACTOR + (C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if precision != "fp32" else 0.0)
+    return state_bytes * ADAMW_MOMENT_FACTOR / factor
+
+
+def allgather_s(nbytes: float, ranks: int, bandwidth_bytes_s: float, latency_s: float) -> float:
+    """Ring all-gather of a buffer of `nbytes` whose parts live on `ranks` ranks: (n-1)/n of it moves."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) * latency_s + (ranks - 1) / ranks * nbytes / bandwidth_bytes_s
+
+
+def at_group(tables: CostTables, group: int) -> CostTables:
+    """The tables with every stage's optimizer state sharded over `group` replicas (1: `tables`)."""
+    if group <= 1:
+        return tables
+    classes = tuple(_class_at(c, tables, group) for c in tables.classes)
+    return dataclasses.replace(tables, classes=classes)
+
+
+def _class_at(table: ClassTable, tables: CostTables, z: int) -> ClassTable:
+    state, opt = [], []
+    for b, (nbytes, step_s) in enumerate(zip(table.state_bytes, table.optimizer_s)):
+        state.append(nbytes - moment_bytes(nbytes, table.precision) * (1 - 1 / z))
+        params = tables.grad_bytes[b]           # fp32 bytes of the block's parameters (one shard's, under TP)
+        # the program gathers each parameter tensor from its owner (torch's ZeroRedundancyOptimizer broadcasts
+        # per tensor): the volume once, a latency per tensor
+        tensors = tables.param_tensors[b] if tables.param_tensors else 1
+        opt.append(step_s / z + allgather_s(params, z, tables.inter_bandwidth_bytes_s, 0.0)
+                   + tensors * tables.inter_latency_s * (1.0 if z > 1 else 0.0))
+    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_s=tuple(opt), zero_group=z)

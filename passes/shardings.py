@@ -1,0 +1,55 @@
+"""The blocks' tensor-parallel numbers (planner.core.blocks.BlockSharding) from the traced graph.
+
+passes.tensor_parallel finds the Megatron pairs of the whole graph; here each block (a contiguous run of
+compute nodes, passes.blocks) gets what the cost model prices at a degree: the bytes of its parameters the
+pairs split, the part of its matmul FLOPs and of its kept activations inside pairs, and the all-reduces of
+the pairs whose row linears it holds. A degree is offered for the model when it divides every pair (the
+program shards every pair of the graph at the plan's degree); blocks without pairs run whole.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from passes.tensor_parallel import TPLayout, find_regions
+from passes.tensor_parallel.costs import block_cost
+from planner.core.blocks import Block, BlockSharding
+
+DEGREES = (1, 2, 4, 8)
+
+
+def block_shardings(gm: fx.GraphModule, blocks: list[Block],
+                    layout: TPLayout | None = None) -> tuple[BlockSharding, ...]:
+    """Per block, what tensor parallelism splits (all BlockSharding.none() when the graph has no pairs)."""
+    layout = layout if layout is not None else find_regions(gm)
+    if not layout.regions:
+        return tuple(BlockSharding.none() for _ in blocks)
+    degrees = tuple(t for t in DEGREES if layout.divides(t))
+    specs = layout.specs()
+    order = [n.name for n in gm.graph.nodes]
+    position = {name: i for i, name in enumerate(order)}
+    in_region = {name for region in layout.regions for name in region.nodes}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for b in blocks:
+        names = order[position[b.first_node]:position[b.last_node] + 1]
+        cost = block_cost(gm, layout, names)
+        regions = [r for r in layout.regions if any(row in set(names) for row in r.rows)]
+        kept = [by_name[n] for n in names if by_name[n].op == "call_function"]
+        act_all = sum(_bytes(n) for n in kept)
+        act_in = sum(_bytes(n) for n in kept if n.name in in_region)
+        out.append(BlockSharding(
+            degrees=degrees, sharded_params=tuple(p for p in b.params if p in specs),
+            sharded_param_bytes=float(cost.sharded_param_bytes),
+            sharded_flops_fraction=cost.sharded_flop_fraction,
+            sharded_activation_fraction=act_in / act_all if act_all else 0.0,
+            allreduce_bytes_fwd=float(cost.fwd_allreduce_bytes_per_sample),
+            allreduce_bytes_bwd=float(cost.bwd_allreduce_bytes_per_sample),
+            allreduces=sum(len(r.rows) for r in regions)))
+    return tuple(out)
+
+
+def _bytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0

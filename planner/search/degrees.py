@@ -1,0 +1,186 @@
+"""The search over tensor-parallel degree and sharded optimizer state: one CP-SAT search per variant.
+
+A variant is the cost tables at a tensor-parallel degree t (costmodel.tensor_parallel: a stage on t
+devices of a node) with or without ZeRO-1 (costmodel.sharded_state: optimizer state over at least z
+replicas). Every stage of a plan shares one degree: a gradient group sums the same shard of a parameter
+in every replica, so replicas of different degrees could not sync (the program would need each
+parameter cut at the finest degree). Each variant's configurations and CP-SAT models are the ones the
+degree-1 search builds (planner.search.configs, planner.search.ilp), on its own tables; the best
+solution over the variants wins, ties to the lower degree and no ZeRO (fewer collectives). Under the time
+objective a variant whose compute bound already exceeds the best plan found is not built (`search`).
+
+ZeRO is offered where memory is short (`zero="auto"`: the model does not fit one device of any class
+whole), always (`on`), or never (`off`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from costmodel import sharded_state, tensor_parallel
+from costmodel.tables import CostTables
+from planner.search import cost, ilp
+from planner.search.candidates import Config, Solution
+from planner.search.configs import MIXED_MAX_DEVICES, build_configs, stage_count_options
+from planner.search.enumerate import exact_solution
+from planner.search.options import SearchOptions
+from planner.search.split import fits_greedily
+
+ZERO_MAX_GROUP = 8       # the moments over 8 replicas: 1/8 left, most of what sharding saves
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One variant's tables and configurations."""
+
+    tp_degree: int
+    zero_group: int          # 1: no ZeRO
+    tables: CostTables
+    configs: list[Config]
+
+
+def variants(tables: CostTables, options: SearchOptions) -> list[Variant]:
+    """Every variant the options allow that has some configuration, lowest degree first."""
+    out = []
+    for t, z, at_tz in variant_tables(tables, options):
+        configs = build_configs(at_tz, options.stages, options.micro_batch, schedule=options.schedule)
+        if configs:
+            out.append(Variant(t, z, at_tz, configs))
+    return out
+
+
+def variant_tables(tables: CostTables, options: SearchOptions) -> list[tuple[int, int, CostTables]]:
+    """(degree, ZeRO group, tables) of every variant the options allow, lowest degree first; cheap (no
+    configurations built)."""
+    out: list[tuple[int, int, CostTables]] = []
+    for t in tensor_parallel.usable_degrees(tables, tables.shardings, options.tp,
+                                              options.use_all_devices):
+        at_t = tensor_parallel.at_degree(tables, tables.shardings, t)
+        out.extend((t, z, sharded_state.at_group(at_t, z)) for z in _zero_groups(at_t, options.zero))
+    return out
+
+
+def compute_bound_s(tables: CostTables) -> float:
+    """A lower bound on any plan's iteration time at these tables: the forward and backward work of the
+    global batch spread over every device at once, each block on the class cheapest for it.
+
+    A device of class c does a block's work at no better than rho_c times the cheapest class's time for
+    it (rho_c = min over blocks of its time / the cheapest), so per second it covers at most 1/rho_c
+    seconds of cheapest-class work; the batch needs B * sum_b cheapest_b of it. Every pipeline's makespan
+    is at least its busiest device's work, and sync only adds: the ILP's and the enumerator's objectives
+    are never below this."""
+    held = [c for c in tables.classes if c.num_devices]
+    if not held:
+        return float("inf")
+    work = [[f + b for f, b in zip(c.fwd_s, c.bwd_s)] for c in held]
+    cheapest = [min(w[b] for w in work) for b in range(tables.num_blocks)]
+    if min(cheapest) <= 0:
+        return 0.0
+    rate = sum(c.num_devices / min(w[b] / cheapest[b] for b in range(tables.num_blocks))
+               for c, w in zip(held, work))
+    return tables.global_batch * sum(cheapest) / rate
+
+
+def _zero_groups(tables: CostTables, zero: str) -> list[int]:
+    """The ZeRO group sizes to price at these tables: 1 (none) and/or the largest the cluster allows."""
+    units = sum(c.num_devices for c in tables.classes)
+    group = 1
+    while group * 2 <= min(ZERO_MAX_GROUP, units):
+        group *= 2
+    if zero == "off" or group == 1:
+        return [1] if zero != "on" or group == 1 else []
+    if zero == "on":
+        return [group]
+    short = not any(c.num_devices and fits_greedily(c, 1, 1, False) for c in tables.classes)
+    return [1, group] if short else [1]
+
+
+def solve(variant: Variant, options: SearchOptions, cutoff_s: float | None = None) -> list[Solution]:
+    """The variant's solutions under the strategy and objective, best first (as strategies.run asks); under
+    the time objective with `cutoff_s`, only solutions at most that fast (ilp.solve_regime)."""
+    least = variant.zero_group
+    settings = options.solver
+    if settings.dump_dir is not None and (variant.tp_degree, variant.zero_group) != (1, 1):
+        # each variant's CP-SAT models in a folder of their own (`plan --dump-cp-model DIR`: DIR/tp2-zero1/)
+        settings = dataclasses.replace(settings, dump_dir=settings.dump_dir / f"tp{variant.tp_degree}-zero{least}")
+    if options.strategy == "exact":
+        found = exact_solution(variant.tables, variant.configs, use_all_devices=options.use_all_devices,
+                               min_replicas=least)
+        return [found] if found else []
+    if options.objective == "cost":
+        return cost.solve_cost(variant.tables, variant.configs, settings,
+                               use_all_devices=options.use_all_devices, min_replicas=least)
+    return ilp.solve_regimes(variant.tables, variant.configs, settings,
+                             use_all_devices=options.use_all_devices, min_replicas=least, cutoff_s=cutoff_s)
+
+
+def most_replicas(tables: CostTables, options: SearchOptions) -> float:
+    """An upper bound on the replicas of any plan at these tables (inf where none is known): each class's
+    devices over the fewest stages at which the model fits it (split.fits_greedily, micro-batch 1,
+    recompute: what any configuration needs at the least). Only where build_configs offers single-class
+    pipelines alone (mixed ones could take fewer devices of a class): more GPUs than MIXED_MAX_DEVICES
+    and some class that fits."""
+    if sum(c.num_devices * c.tp_degree for c in tables.classes) <= MIXED_MAX_DEVICES:
+        return float("inf")
+    total, any_fits = 0, False
+    for c in tables.classes:
+        offered = stage_count_options(tables.num_blocks, c.num_devices, c.per_node, options.stages)
+        fewest = next((S for S in offered if fits_greedily(c, S, 1, True)), None)
+        if fewest is not None:
+            total, any_fits = total + c.num_devices // fewest, True
+    return total if any_fits else float("inf")
+
+
+def best(tables: CostTables, options: SearchOptions) -> list[tuple[Solution, Variant]]:
+    """Every solved variant's solutions, best first (ties: lower degree, then no ZeRO); see `search`."""
+    return search(tables, options)[0]
+
+
+def search(tables: CostTables, options: SearchOptions,
+           ) -> tuple[list[tuple[Solution, Variant]], list[dict[str, float | int | str]]]:
+    """The solutions of every variant that could win, best first, and per variant what it cost to find
+    them (configurations built and solved, seconds each; `pruned` where skipped).
+
+    Under the time objective the variants are taken by their compute bound (`compute_bound_s`), and a
+    variant whose bound exceeds the best objective found so far is skipped before its configurations
+    are built: it could not win, so the chosen plan is the one the full search would choose. The
+    runners-up then come from the variants solved."""
+    by_time = options.objective == "time"
+    todo = [(compute_bound_s(at) if by_time else 0.0, t, z, at) for t, z, at in variant_tables(tables, options)]
+    # the highest degree (ZeRO first) first: on the models that need the cluster it is the one that wins, so
+    # the others are solved against its time as a cutoff (ilp.solve_regime) and proven slower quickly
+    todo.sort(key=lambda b_t_z: (-b_t_z[1], -b_t_z[2]))
+    found: list[tuple[Solution, Variant]] = []
+    records: list[dict[str, float | int | str]] = []
+    best_s = float("inf")
+    for bound_s, t, z, at in todo:
+        record: dict[str, float | int | str] = {"tp_degree": t, "zero_group": z, "bound_s": bound_s,
+                                                "configs_s": 0.0, "solve_s": 0.0, "configurations": 0}
+        records.append(record)
+        if by_time and bound_s > best_s:
+            record["pruned"] = "compute bound above the best found"
+            continue
+        if z > most_replicas(at, options):
+            record["pruned"] = f"at most {most_replicas(at, options)} replicas fit, ZeRO's group needs {z}"
+            continue
+        t0 = time.perf_counter()
+        configs = build_configs(at, options.stages, options.micro_batch, schedule=options.schedule)
+        record["configs_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+        record["configurations"] = len(configs)
+        if not configs:
+            continue
+        variant = Variant(t, z, at, configs)
+        solutions = solve(variant, options, best_s if by_time else None)
+        record["solve_s"] = time.perf_counter() - t0
+        found.extend((s, variant) for s in solutions)
+        if solutions:
+            record["objective_s"] = solutions[0].objective_s
+            best_s = min(best_s, min(s.objective_s for s in solutions))
+
+    def key(sv: tuple[Solution, Variant]) -> tuple[float, float, int, int, bool]:
+        s, v = sv
+        price = cost.cost_per_sample(v.tables, s) if options.objective == "cost" else 0.0
+        return (round(price, 15), round(s.objective_s, 12), v.tp_degree, v.zero_group, s.one_node)
+    return sorted(found, key=key), records
