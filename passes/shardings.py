@@ -4,7 +4,8 @@ passes.tensor_parallel finds the Megatron pairs of the whole graph; here each bl
 compute nodes, passes.blocks) gets what the cost model prices at a degree: the bytes of its parameters the
 pairs split, the part of its matmul FLOPs and of its kept activations inside pairs, and the all-reduces of
 the pairs whose row linears it holds. A degree is offered for the model when it divides every pair (the
-program shards every pair of the graph at the plan's degree); blocks without pairs run whole.
+program shards every pair of the graph at the plan's degree); blocks without pairs run whole. A graph
+whose pairs span block boundaries gets none (a cut inside a pair would send a shard).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def block_shardings(gm: fx.GraphModule, blocks: list[Block],
                     layout: TPLayout | None = None) -> tuple[BlockSharding, ...]:
     """Per block, what tensor parallelism splits (all BlockSharding.none() when the graph has no pairs)."""
     layout = layout if layout is not None else find_regions(gm)
-    if not layout.regions:
+    if not layout.regions or _crosses_a_cut(gm, layout, blocks):
         return tuple(BlockSharding.none() for _ in blocks)
     degrees = tuple(t for t in DEGREES if layout.divides(t))
     specs = layout.specs()
@@ -48,6 +49,19 @@ def block_shardings(gm: fx.GraphModule, blocks: list[Block],
             allreduce_bytes_bwd=float(cost.bwd_allreduce_bytes_per_sample),
             allreduces=sum(len(r.rows) for r in regions)))
     return tuple(out)
+
+
+def _crosses_a_cut(gm: fx.GraphModule, layout: TPLayout, blocks: list[Block]) -> bool:
+    """Whether some pair spans two blocks: a stage could then end inside it and send a shard (an MLP whose
+    blocks end at each linear). The program shards every pair of the graph, so no degree is offered then."""
+    order = [n.name for n in gm.graph.nodes]
+    position = {name: i for i, name in enumerate(order)}
+    ends = sorted(position[b.last_node] for b in blocks)
+    for region in layout.regions:
+        computed = [position[n] for n in region.nodes if n in position]
+        if computed and any(min(computed) <= end < max(computed) for end in ends):
+            return True
+    return False
 
 
 def _bytes(node: fx.Node) -> int:

@@ -102,7 +102,8 @@ def _memory_rows(plan: Plan, spec: ClusterSpec | None) -> list[MemoryRow]:
     rows = []
     for group in replica_groups(plan):
         for st in group.first.stages:
-            rows.append(MemoryRow(f"rank {st.rank} {st.device_label} ({st.device_type})", group.count,
+            ranks = str(st.rank) if st.tp_degree == 1 else f"{st.rank}-{st.ranks[-1]} (tp {st.tp_degree})"
+            rows.append(MemoryRow(f"rank {ranks} {st.device_label} ({st.device_type})", group.count * st.tp_degree,
                                   memory_parts(plan, st.rank, spec), plan.estimates.capacity_bytes[st.rank]))
     return sorted(rows, key=lambda r: -sum(r.parts_bytes) / max(r.capacity_bytes, 1.0))
 

@@ -60,7 +60,7 @@ def replica_groups(plan: Plan) -> list[ReplicaGroup]:
 
 def cluster_svg(plan: Plan, spec: ClusterSpec) -> str:
     """Nodes as boxes of device cells, coloured by replica and stage; links labelled with bandwidth."""
-    by_device = {st.device: (r, st) for r in plan.replicas for st in r.stages}
+    by_device = {d: (r, st, rank) for r in plan.replicas for st in r.stages for rank, d, _ in st.rank_devices()}
     devices = spec.devices()
     nodes: dict[int, list] = {}
     for d in devices:
@@ -81,9 +81,9 @@ def cluster_svg(plan: Plan, spec: ClusterSpec) -> str:
             for d in nodes[node]:
                 fill, tip = UNUSED, f"{d.label} ({d.type.name}): unused"
                 if d.index in by_device:
-                    r, st = by_device[d.index]
+                    r, st, rank = by_device[d.index]
                     fill = replica_colour(r.index, st.index, len(r.stages))
-                    tip = (f"{d.label} ({d.type.name}): rank {st.rank}, replica {r.index} stage {st.index}, "
+                    tip = (f"{d.label} ({d.type.name}): rank {rank}, replica {r.index} stage {st.index}, "
                            f"blocks {st.first_block}-{st.last_block}")
                 parts.append(f'<rect class="device" x="{x0 + 4 + d.local * CELL_PX}" y="{y0 + 4}" '
                              f'width="{CELL_PX - 2}" height="{CELL_PX}" fill="{fill}"><title>{esc(tip)}</title></rect>')
@@ -118,7 +118,8 @@ def _describe(span: Span) -> str:
 
 
 def timeline_svg(plan: Plan, sim: SimResult) -> str:
-    """One row per rank of each group of identical replicas; hover a bar for its action and time."""
+    """One row per stage of each group of identical replicas (its tensor-parallel shards alike); hover a bar
+    for its action and time."""
     by_rank: dict[int, list[Span]] = {}
     for sp in sim.timeline:
         by_rank.setdefault(sp.rank, []).append(sp)
@@ -131,7 +132,9 @@ def timeline_svg(plan: Plan, sim: SimResult) -> str:
                      f'{len(r.stages)} stage(s), share {r.batch_share}, {esc(r.schedule)}</text>')
         y += ROW_PX + 2
         for st in r.stages:
-            parts.append(f'<text x="0" y="{y + 12}" class="lbl">rank {st.rank} stage {st.index} '
+            # a stage's tensor-parallel shards run alike (one row, its ranks named)
+            ranks = str(st.rank) if st.tp_degree == 1 else f"{st.rank}-{st.ranks[-1]} (tp {st.tp_degree})"
+            parts.append(f'<text x="0" y="{y + 12}" class="lbl">rank {ranks} stage {st.index} '
                          f'{esc(st.device_label)}</text>')
             for sp in by_rank.get(st.rank, []):
                 x, w = LABEL_PX + sp.start_s * scale, max((sp.end_s - sp.start_s) * scale, 0.5)

@@ -89,6 +89,14 @@ def _rewrite_region(gm: fx.GraphModule, region: TPRegion, degree: int, group: fx
                 result = graph.call_function(torch.ops.aten.add.Tensor, (summed, bias))
             result.meta["val"] = row.meta.get("val")
         row.replace_all_uses_with(result, delete_user_cb=lambda user, reduce=summed: user is not reduce)
+        # the summed value takes the row's name: a stage cut after the row (a plan's last_node) cuts after the
+        # sum, and the value the cut sends keeps the name the planner verified
+        row._rename(f"{name}_partial")
+        graph._graph_namespace._used_names.discard(name)     # free the name for the sum (fx keeps it reserved)
+        result._rename(name)
+        if result.name != name:
+            raise PassError(f"tensor parallelism could not keep the name of `{name}` for its summed output",
+                            field="tensor_parallel", fix="report this model")
 
 
 def shard_graph(gm: fx.GraphModule, layout: TPLayout, degree: int, index: int, group: Any) -> None:

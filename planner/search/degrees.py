@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from costmodel import sharded_state, tensor_parallel
+from costmodel.compression import compression_of
 from costmodel.tables import CostTables
 from planner.search import cost, ilp
 from planner.search.candidates import Config, Solution
@@ -55,10 +56,16 @@ def variant_tables(tables: CostTables, options: SearchOptions) -> list[tuple[int
     """(degree, ZeRO group, tables) of every variant the options allow, lowest degree first; cheap (no
     configurations built)."""
     out: list[tuple[int, int, CostTables]] = []
-    for t in tensor_parallel.usable_degrees(tables, tables.shardings, options.tp,
-                                              options.use_all_devices):
+    # gradient compression prices whole parameters and 1-bit Adam keeps its own momentum: a plan that
+    # compresses its gradients gets tensor parallelism or ZeRO only where the user forces them
+    compressed = compression_of(tables).compresses_gradients
+    degrees = tensor_parallel.usable_degrees(tables, tables.shardings, options.tp, options.use_all_devices)
+    if compressed and options.tp is None:
+        degrees = [t for t in degrees if t == 1]
+    zero = "off" if compressed and options.zero == "auto" else options.zero
+    for t in degrees:
         at_t = tensor_parallel.at_degree(tables, tables.shardings, t)
-        out.extend((t, z, sharded_state.at_group(at_t, z)) for z in _zero_groups(at_t, options.zero))
+        out.extend((t, z, sharded_state.at_group(at_t, z)) for z in _zero_groups(at_t, zero))
     return out
 
 
