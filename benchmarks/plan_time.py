@@ -3,7 +3,11 @@
     python benchmarks/plan_time.py            # 32, 128, 1024, 4096 GPUs
     python benchmarks/plan_time.py --quick    # 32, 128, 1024
 
-Each cluster size is planned in a fresh Python process, as `plan` would: load the model file (which
+Each cluster size is planned twice, each in a fresh Python process. First `plan` itself, as a user runs
+it (`python -m planner.cli MODEL --cluster SPEC --global-batch B -o DIR`: start-up, model import, trace,
+search, the comm and stage checks, runners-up, writing the program), its wall and CPU seconds and peak
+RSS (the issue's target: at most 10 s and 2 GiB at 1024 GPUs). Then the planning steps one by one, as `plan`
+would run them: load the model file (which
 imports transformers), trace it on meta tensors and run annotate + blocks ("trace"), then cost tables +
 the degree search (planner.search.degrees: tensor-parallel degree x ZeRO, per variant configurations
 and ILP, each variant's seconds recorded) + assemble + verify ("search"). Total = load + trace + search,
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -103,7 +108,9 @@ def measure(model_name: str, cluster: Path, gpus: int) -> dict[str, Any]:
 
 
 def run_size(model_name: str, cluster: Path, gpus: int) -> dict[str, Any]:
-    """`measure` in a child process; adds the child's whole wall time (interpreter and imports too)."""
+    """`measure` in a child process; adds the child's whole wall time (interpreter and imports too), and
+    `plan` itself as a user runs it (`command`)."""
+    command = run_command(model_name, cluster, max(MIN_GLOBAL_BATCH, gpus * SAMPLES_PER_GPU))  # first: its RSS alone
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--measure", str(gpus), str(cluster), "--model", model_name],
                           capture_output=True, text=True, timeout=SIZE_TIMEOUT_S)
@@ -111,7 +118,30 @@ def run_size(model_name: str, cluster: Path, gpus: int) -> dict[str, Any]:
         raise RuntimeError(f"{gpus} GPUs: the planning process failed:\n{proc.stderr[-3000:]}")
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     record["process_s"] = time.perf_counter() - start
+    target = record["target_s"]
+    command["meets_target"] = None if target is None or "error" in command else command["wall_s"] <= target
+    record["command"] = command
     return record
+
+
+def run_command(model_name: str, cluster: Path, batch: int) -> dict[str, Any]:
+    """`plan MODEL --cluster SPEC --global-batch B -o DIR` in a fresh process, as a user runs it (start-up,
+    model import, trace, search, comm checks, runners-up, writing the program): wall and CPU seconds, the
+    peak RSS, and the phases `plan` reports in solve.json."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out"
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "planner.cli", str(common.EXAMPLES / model_name / "model.py"),
+                               "--cluster", str(cluster), "--global-batch", str(batch), "-o", str(out)],
+                              capture_output=True, text=True, timeout=SIZE_TIMEOUT_S, cwd=common.REPO)
+        wall_s = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if proc.returncode != 0:
+            return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed",
+                    "wall_s": wall_s}
+        return {"wall_s": wall_s, "cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+                "peak_rss_bytes": after.ru_maxrss * 1024, "timings_s": json.loads((out / "solve.json").read_text())}
 
 
 def row(record: dict[str, Any]) -> list[str]:
@@ -123,7 +153,12 @@ def row(record: dict[str, Any]) -> list[str]:
     else:
         layout = f"{record['replicas']} x {'/'.join(map(str, record['stage_counts']))}"
         solver = f"{record['status']} gap {record['gap']:.1%}"
-    return [str(record["gpus"]), str(record["global_batch"]), f"{record['load_s']:.2f}", f"{record['trace_s']:.2f}",
+    cmd = record.get("command", {})
+    cmd_cells = ["-", "-", "-", "-"] if "wall_s" not in cmd or "error" in cmd else [
+        f"{cmd['wall_s']:.2f}", f"{cmd['cpu_s']:.2f}", f"{cmd['peak_rss_bytes'] / GIB:.2f}",
+        "-" if cmd["meets_target"] is None else ("yes" if cmd["meets_target"] else "NO")]
+    return [str(record["gpus"]), *cmd_cells, str(record["global_batch"]), f"{record['load_s']:.2f}",
+            f"{record['trace_s']:.2f}",
             f"{record['search_s']:.2f}", f"{record['total_s']:.2f}", f"{record['total_cpu_s']:.2f}",
             f"{record['process_s']:.2f}", "-" if target is None else f"{target:.0f}", met, phases,
             f"{record['peak_rss_bytes'] / GIB:.2f}", layout, solver]
@@ -150,9 +185,13 @@ def main() -> None:
             print(f"  {gpus} GPUs: load {record['load_s']:.2f} s, trace {record['trace_s']:.2f} s, "
                   f"search {record['search_s']:.2f} s, total {record['total_s']:.2f} s", flush=True)
     print()
-    print(common.table(["GPUs", "batch", "load s", "trace s", "search s", "total s", "CPU s", "process s",
+    print(common.table(["GPUs", "plan s", "plan CPU s", "plan RSS GiB", "plan met",
+                        "batch", "load s", "trace s", "search s", "total s", "CPU s", "process s",
                         "target s", "met", "tables/configs/solve/assemble/verify s", "peak RSS GiB",
                         "replicas x stages", "solver"], rows))
+    print("plan = the whole `plan MODEL --cluster SPEC --global-batch B -o DIR` command in a fresh process (start-up, "
+          "import, trace, search, comm checks, runners-up, writing the program; target 10 s and 2 GiB at 1024 GPUs); "
+          "the rest is the planning steps one by one in another fresh process:")
     print("one fresh process per size; total = load (model file, imports transformers) + trace (export on meta, "
           "annotate, blocks) + search (tables, ILP, assemble, verify), wall clock; CPU = the same in this "
           "process's CPU time; process = the child's whole run (Python and torch start-up included)")

@@ -10,10 +10,12 @@ counted as the planner counts them: forward bytes, times `BACKWARD_BYTES_FACTOR`
 views cost overhead only.
 
 Compute, update and batch figures are measured in CPU seconds on a CPU device; the typed record holds
-them as wall seconds of one process of the profiled job: times the host's contention factor (wall per
-CPU second when `concurrent_processes` share the host's cores, `host_sharing` in the file). The
-in-place factors (`in_situ`) scale the ring all-reduce and the update to what the model training steps
-of the profile measured.
+them as wall seconds of one process of a job of `priced_processes` processes sharing the host: times the
+contention factor of that many (wall per CPU second; `costmodel.host_sharing` derives it from the one
+the profile measured with its `concurrent_processes`, `host_sharing` in the file, and the host's cores).
+Loaded, a calibration is priced for the profile's own count; `host_sharing.for_spec` re-prices it for a
+plan's. The in-place factors (`in_situ`) scale the ring all-reduce and the update to what the model
+training steps of the profile measured.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class Calibration:
     framework_bytes: float                           # process memory before any model (torch + group)
     models: Mapping[str, ModelTiming] = field(default_factory=dict)
     contention_factor: float = 1.0                   # wall per CPU second, already applied to compute
+    priced_processes: int = 1                        # processes sharing the host that it is priced for
+    profile_contention_factor: float = 1.0           # wall per CPU second the profile measured
+    host_cores: float = 1.0                          # cores the profiled host gives its processes
     sync_factor: float = 1.0                         # in-situ factors already applied to the ring
     update_factor: float = 1.0                       # and to the update
 
@@ -196,7 +201,10 @@ def parse_calibration(data: Any, file: str = "<calibration>") -> Calibration:
         if not any(c in compute[precision] for c in DENSE_CLASSES):
             classes.fail("", "no dense op class (matmul, conv, attention) measured", "re-run `plan profile`")
     # compute, update and batch were timed in CPU seconds: wall seconds at the host's share of a core
-    contention = top.obj("host_sharing").number("contention_factor")
+    sharing = top.obj("host_sharing")
+    contention = sharing.number("contention_factor")
+    # where the process may run (affinity), else every core of the machine (files before `usable_cores`)
+    cores = sharing.number("usable_cores") if "usable_cores" in sharing.data else sharing.number("cores")
     compute = {precision: {name: _contended(rates, contention) for name, rates in classes.items()}
                for precision, classes in compute.items()}
     models = {}
@@ -212,10 +220,11 @@ def parse_calibration(data: Any, file: str = "<calibration>") -> Calibration:
     sync = in_situ.number("sync_factor") if in_situ else 1.0
     update = (in_situ.number("update_factor") if in_situ else 1.0) * contention
     ring = _alpha_beta(comm.obj("allreduce_ring"))
+    concurrent = int(device.number("concurrent_processes"))
     return Calibration(
         source=file, device_name=device.text("name"), description=device.text("description"),
         kind=device.choice("kind", ("cpu", "cuda")),
-        measured_at=top.text("measured_at"), concurrent_processes=int(device.number("concurrent_processes")),
+        measured_at=top.text("measured_at"), concurrent_processes=concurrent,
         threads_per_process=int(device.number("threads_per_process")), compute=compute,
         optimizer_s_per_step=optimizer.number("per_step_s", positive=False) * update,
         optimizer_s_per_tensor=optimizer.number("per_tensor_s", positive=False) * update,
@@ -224,7 +233,8 @@ def parse_calibration(data: Any, file: str = "<calibration>") -> Calibration:
         allreduce_2=_alpha_beta(comm.obj("allreduce_2")),
         ring=AlphaBeta(ring.latency_s * sync, ring.bandwidth_bytes_s / sync),
         framework_bytes=top.obj("memory").number("framework_bytes"), models=models,
-        contention_factor=contention, sync_factor=sync, update_factor=update / contention)
+        contention_factor=contention, sync_factor=sync, update_factor=update / contention,
+        priced_processes=concurrent, profile_contention_factor=contention, host_cores=cores)
 
 
 def _contended(rates: OpClassRates, factor: float) -> OpClassRates:

@@ -7,7 +7,8 @@ inputs from batch(), values of earlier stages as received tensors: leaves that r
 gradient flows back; the loss on the model's output rebuilt like one process; the backward from the loss
 or from gradients of the stage's outputs), on meta tensors: shapes and dtypes only, no storage and no
 arithmetic. A failure names the model's module it happened in (its qualified name, from the node's
-`nn_module_stack`). `check_plan_stages` runs every stage of every distinct split once.
+`nn_module_stack`). `check_plan_stages` runs every distinct stage of the plan's splits once (passes.stage_shape:
+stages of the same layers at other depths are one).
 
 Two things a stage run cannot see are read from the traced graph:
 
@@ -29,6 +30,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from passes.split import StageSplit
+from passes.stage_shape import stage_shape
 from planner import frontend
 from planner.core.errors import ModelFileError, PassError
 from planner.core.ir import Plan
@@ -91,16 +93,20 @@ def check_stage_runs(split: StageSplit, stage: int, model_file: frontend.ModelFi
 
 def check_plan_stages(splits: Mapping[tuple[int, int], StageSplit], model_file: frontend.ModelFile) -> list[StageRun]:
     """Run every distinct stage of the splits (by (replica, rows), as passes.comm.inputs.trace_splits
-    gives them) once; returns what each run measured. A stage is distinct by its micro-batch size, its
-    nodes, inputs and outputs: splits that share a stage's cuts (replicas cut alike, or pipelines of
-    other depths that agree there) run it once."""
+    gives them) once; returns what each run measured. A stage is distinct by its micro-batch size and
+    what its run depends on (stage_shape): splits that share a stage's cuts (replicas cut alike, or
+    pipelines of other depths that agree there), and stages of the same layers elsewhere in a stack
+    (layers 10-19 and 20-29 of a transformer), run it once."""
     runs: list[StageRun] = []
     done: set[tuple[Any, ...]] = set()
+    seen: set[tuple[int, int]] = set()      # (rows, split) checked already: replicas cut alike share one
     batches: dict[int, tuple[Any, Any]] = {}
     for (_, rows), split in sorted(splits.items(), key=lambda item: item[0]):
-        for k, stage in enumerate(split.stages):
-            key = (rows, k == len(split.stages) - 1, tuple(stage.inputs), tuple(stage.outputs),
-                   tuple(n.name for n in stage.module.graph.nodes if n.op == "call_function"))
+        if (rows, id(split)) in seen:
+            continue
+        seen.add((rows, id(split)))
+        for k in range(len(split.stages)):
+            key = (rows, stage_shape(split, k))
             if key in done:
                 continue
             done.add(key)

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch.fx as fx
 
-from costmodel import compression, compute
+from costmodel import compression, compute, host_sharing
 from costmodel.calibration import load_calibration
 from costmodel.checkpoint import checkpoint_advice
+from costmodel.cost_notes import cost_notes
 from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
@@ -39,6 +40,7 @@ from planner import dumps, frontend, runners_up
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import HetplanError, PlanningError
+from planner.core.frozen_heap import frozen_heap
 from planner.core.ir import Plan, PlanInputs
 from planner.frontend.cluster import load_cluster
 from planner.frontend.model_file import check_dataset
@@ -80,7 +82,7 @@ class PhaseTimer:
         self.timings_s[name] = time.perf_counter() - start
 
 
-def _digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -108,7 +110,7 @@ def analyse(gm: fx.GraphModule, meta_inputs: tuple[Any, ...], max_blocks: int = 
     return manager
 
 
-def _compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block],
+def compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block],
                        spec: ClusterSpec) -> compression.CompressionTable:
     """The compression policies and what the cost model needs for them (parameter shapes)."""
     shapes = tuple((str(n.target), tuple(n.meta["val"].shape)) for n in gm.graph.nodes
@@ -146,12 +148,14 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     start = time.perf_counter()
     with timer.phase("load_s"):
         spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
-        calibration = load_calibration(options.calibration) if options.calibration else None  # fail before tracing
+        # fail before tracing; CPU compute priced for the spec's processes per host
+        calibration = host_sharing.for_spec(load_calibration(options.calibration), spec) if options.calibration \
+            else None
         model_file = load_onnx_model(model, DEFAULT_TRACE_BATCH) if is_onnx_file(model) else \
             frontend.load_model_file(model, options.names, controls.trace_timeout_s)
     trace_batch = model_file.trace_batch if isinstance(model_file, OnnxModel) else DEFAULT_TRACE_BATCH
 
-    with timer.phase("trace_s"):
+    with timer.phase("trace_s"), frozen_heap():      # the collector skips the heap there is (core.frozen_heap)
         gm, meta_inputs = _trace_on_meta(model_file, trace_batch)
         if isinstance(model_file, frontend.ModelFile):
             check_dataset(model_file, options.global_batch)   # dataset() holds one global batch
@@ -162,7 +166,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=trace_batch,
                               precision_policy=options.precision, memory_margin=options.memory_margin,
                               calibration=calibration)
-        tables = compression.with_compression(tables, _compression_table(options, gm, blocks, spec))
+        tables = compression.with_compression(tables, compression_table(options, gm, blocks, spec))
         # what tensor parallelism splits per block (passes.tensor_parallel's pairs); priced per degree in the search
         tables = dataclasses.replace(tables, shardings=block_shardings(gm, blocks))
     search_options = options.search_options(controls)
@@ -173,28 +177,29 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     inputs = PlanInputs(
         model_path=str(Path(model).resolve()), model_digest=model_file.digest,
         cluster_path=str(cluster_path.resolve()) if cluster_path else "",
-        cluster_digest=_digest(cluster_path) if cluster_path and cluster_path.is_file() else "",
+        cluster_digest=file_digest(cluster_path) if cluster_path and cluster_path.is_file() else "",
         cluster_name=spec.name, options=options.as_pairs(), trace_batch=trace_batch,
         model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         lost_devices=spec.lost)
 
-    with timer.phase("search_s"):
+    with timer.phase("search_s"), frozen_heap():
         result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
                                                                 spec=spec, inputs=inputs, options=search_options)
     verify_plan(result, spec)
     if isinstance(model_file, frontend.ModelFile):   # an .onnx graph is cost-only: no program communicates
-        with timer.phase("comm_s"):
+        with timer.phase("comm_s"), frozen_heap():
             check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
             splits = trace_splits(result, model_file, gm, trace_batch)
             result = dataclasses.replace(result, comm=verify_comm(result, traced_inputs(result, splits, gm)))
             check_plan_stages(splits, model_file)      # each stage's forward and backward once, on meta
         result = dataclasses.replace(result, warnings=training_notes(result, gm))
     if options.runners_up:
-        with timer.phase("runners_up_s"):
+        with timer.phase("runners_up_s"), frozen_heap():
             others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
             first = runners_up.first_tries(tables=tables, blocks=blocks, spec=spec, inputs=inputs,
                                            options=search_options) if options.strategy in ("ilp", "exact") else None
             result = runners_up.with_runners_up(result, others, spec, first)
+    result = dataclasses.replace(result, warnings=result.warnings + cost_notes(result, spec, calibration))
     result = dataclasses.replace(result, checkpoint=checkpoint_advice(result, spec))
     timings = {**timer.timings_s, "total_s": time.perf_counter() - start}
     return PlanResult(result, gm, blocks, tables, timings, model_file, spec, dict(passes.timings_s))

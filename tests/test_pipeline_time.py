@@ -109,3 +109,28 @@ def test_shared_split_takes_the_candidate_the_schedule_runs_fastest() -> None:
     rates = {b: align._rate(tabs, 0, b, micro) for b in candidates | {chosen}}
     assert rates[chosen] == max(rates.values())
     assert len(set(rates.values())) > 1             # the candidates differ: the choice matters
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_count_is_the_tables_entry_to_the_bit(seed: int) -> None:
+    """pipeline_one_s computes one count alone (the walks and lattice it reads); it must be the very
+    number pipeline_s reads from the table of every count, interpolated counts of deep pipelines too."""
+    rng = random.Random(seed)
+    for S in (1, 2, 5, pipeline.WALK_MAX_STAGES, pipeline.WALK_MAX_STAGES + 1, 40):
+        fwd = tuple(rng.uniform(0.5, 2.0) for _ in range(S))
+        bwd = tuple(2 * f * rng.uniform(0.5, 1.5) for f in fwd)
+        send = tuple(rng.choice([0.0, 0.05, 1.0]) * rng.random() for _ in range(S - 1))
+        for M in (*range(1, S + 3), 100, pipeline.DEFAULT_MAX_MICRO + 5):
+            assert pipeline.pipeline_one_s(fwd, bwd, send, M) == pipeline.pipeline_s(fwd, bwd, send, M), (S, M)
+
+
+def test_the_walk_of_short_warm_ups_is_the_simulated_schedule() -> None:
+    rng = random.Random(11)
+    for _ in range(30):
+        S = rng.randint(3, 24)
+        fwd = [rng.uniform(0.5, 2.0) for _ in range(S)]
+        bwd = [2 * f * rng.uniform(0.5, 1.5) for f in fwd]
+        send = [rng.choice([0.0, 0.3, 2.0]) * rng.random() for _ in range(S - 1)]
+        f, b, x = np.array(fwd), np.array(bwd), np.append(np.array(send), 0.0)
+        for M in range(1, S - 1):
+            assert pipeline.walk_s(f, b, x, M) == pytest.approx(simulated_s(fwd, bwd, send, M), rel=1e-12), (S, M)

@@ -4,6 +4,7 @@ for summary.txt)."""
 
 from __future__ import annotations
 
+from backends.report import text
 from backends.report.gantt import render_gantt
 from backends.report.resilience import checkpoint_lines, lineage_line
 from backends.report.text import GIB, RUNNERS_UP_HEADER, TERMINAL, format_time, printable, runners_up_rows, table
@@ -25,6 +26,7 @@ def summary(plan: Plan, width: int | None = TERMINAL, warnings: bool = True) -> 
         f"search: {printable(s.strategy)}, {printable(s.status)}, objective {format_time(s.objective_s)}, "
         f"bound {format_time(s.bound_s)}, gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
     ]
+    head += text.placeholder_lines(plan)   # estimates on placeholder figures: say so up front
     if e.cost_per_sample is not None:
         head.append(f"cost: ${e.cost_per_sample * 1e6:.4g} per million samples")
     head += checkpoint_lines(plan)

@@ -20,11 +20,13 @@ import textwrap
 from collections import Counter
 from typing import TextIO
 
+from costmodel.placeholders import noted_device_type
 from planner.core.errors import printable
 from planner.core.ir import Plan
 
 __all__ = ["GIB", "NO_PLAN_DEVICES", "RUNNERS_UP_HEADER", "SAME_AS_CHOSEN", "TERMINAL", "format_time", "isatty",
-           "layout", "printable", "runners_up_rows", "signed_time", "table", "terminal_width"]
+           "layout", "placeholder_lines", "printable", "runners_up_rows", "signed_time", "table",
+           "terminal_width"]
 
 GIB = float(1 << 30)
 TERMINAL = -1            # `table(width=...)`'s default: fit terminal_width()
@@ -143,6 +145,16 @@ RUNNERS_UP_HEADER = ["plan", "est step", "sim step", "devices", "layout", "vs ch
 # "ilp (chosen) = data parallel"), and one that has no plan with this device count (its reason says why)
 SAME_AS_CHOSEN = "the chosen plan"
 NO_PLAN_DEVICES = 0
+
+
+def placeholder_lines(plan: Plan) -> list[str]:
+    """A head line when the plan's estimates rest on placeholder figures (its `costmodel.placeholders`
+    warnings): which device types, and the command that measures them."""
+    types = [t for t in (noted_device_type(w) for w in plan.warnings) if t is not None]
+    if not types:
+        return []
+    return [f"estimates from placeholder figures for {', '.join(printable(t) for t in types)} (not measured; may be "
+            "many times too fast): `plan profile`, then plan with --calibration FILE"]
 
 
 def runners_up_rows(plan: Plan) -> list[list[str]]:

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from passes.comm.derive import (
+    COMMON,
+    Derivation,
     Schedules,
     Variant,
-    default_schedules,
     rank_parts,
     rank_stream,
     rank_streams,
@@ -29,11 +30,12 @@ from passes.comm.events import CommEvent, digest, message_tag
 from passes.comm.inputs import SplitView, StreamInputs, from_record, to_record, trace_inputs
 from passes.comm.simulate import check_streams, format_grid
 from planner.core.comm_records import CommRecord
+from planner.core.frozen_heap import frozen_heap
 from planner.core.ir import Plan
 
-__all__ = ["CommEvent", "Schedules", "SplitView", "StreamInputs", "Variant", "check_streams", "digest",
+__all__ = ["CommEvent", "Derivation", "Schedules", "SplitView", "StreamInputs", "Variant", "check_streams", "digest",
            "first_difference", "format_grid", "from_record", "message_tag", "rank_digest", "rank_stream",
-           "rank_parts", "rank_streams", "streams", "trace_inputs", "variants", "verify_comm"]
+           "rank_parts", "rank_streams", "stream_digest", "streams", "trace_inputs", "variants", "verify_comm"]
 
 
 def verify_comm(plan: Plan, inputs: StreamInputs, schedules: Schedules | None = None) -> CommRecord:
@@ -43,23 +45,27 @@ def verify_comm(plan: Plan, inputs: StreamInputs, schedules: Schedules | None = 
     The part every variant shares runs once, then each variant's rest (derive.rank_parts: each part
     completes on its own or not at all, so this equals running every variant's whole streams)."""
     runs = variants(plan)
-    schedules = schedules or default_schedules(plan)      # made once per distinct replica shape
-    parts = [rank_parts(plan, rank, inputs, runs, schedules) for rank in range(plan.world_size)]
-    check_streams([common for common, _ in parts], "set-up and pipeline")
-    for v in runs:
-        check_streams([tails[v] for _, tails in parts], f"after the pipeline, {v.name}")
-    return to_record(plan, inputs, tuple(_digest(common, tails, runs) for common, tails in parts))
+    with frozen_heap():                                   # 10^5 events: the collector skips the old heap
+        derivation = Derivation(plan, inputs, schedules)  # what ranks share, made once
+        parts = [derivation.parts(rank, runs) for rank in range(plan.world_size)]
+        check_streams([common for common, _ in parts], COMMON)
+        for v in runs:
+            check_streams([tails[v] for _, tails in parts], f"after the pipeline, {v.name}")
+        return to_record(plan, inputs, tuple(derivation.digest(rank, common, runs)
+                                             for rank, (common, _) in enumerate(parts)))
 
 
 def rank_digest(plan: Plan, rank: int, inputs: StreamInputs) -> tuple[str, dict[Variant, list[CommEvent]]]:
     """`rank`'s digest over every run variant, and its whole stream in each."""
     runs = variants(plan)
-    common, tails = rank_parts(plan, rank, inputs, runs)
-    return _digest(common, tails, runs), {v: common + tails[v] for v in runs}
+    derivation = Derivation(plan, inputs)
+    common, tails = derivation.parts(rank, runs)
+    return derivation.digest(rank, common, runs), {v: common + tails[v] for v in runs}
 
 
-def _digest(common: list[CommEvent], tails: dict[Variant, list[CommEvent]], runs: list[Variant]) -> str:
-    return digest([("set-up and pipeline", common)] + [(v.name, tails[v]) for v in runs])
+def stream_digest(common: list[CommEvent], tails: dict[Variant, list[CommEvent]], runs: list[Variant]) -> str:
+    """The digest of one rank's streams from their events alone (what Derivation.digest equals)."""
+    return digest([(COMMON, common)] + [(v.name, tails[v]) for v in runs])
 
 
 def first_difference(mine: dict[Variant, list[CommEvent]],

@@ -23,20 +23,33 @@ exactly (AdamW's warm-up) or momentum exchanged (1-bit Adam after it). `variants
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from passes.comm.events import COLLECTIVE, RECV, SEND, WAIT, WORLD, CommEvent, message_tag
+from passes.comm.events import (
+    COLLECTIVE,
+    DIGEST_CHARS,
+    RECV,
+    SEND,
+    WAIT,
+    WORLD,
+    CommEvent,
+    message_tag,
+    section_text,
+    stream_text,
+)
 from passes.comm.inputs import SplitView, StreamInputs
 from planner.core import schedule as sched
 from planner.core.errors import PassError
-from planner.core.ir import GradGroup, P2PEdge, Plan
+from planner.core.ir import GradGroup, P2PEdge, Plan, ReplicaPlan, StagePlan
 
 Schedules = Callable[[int], list[list[sched.Action]]]   # replica index -> its action list per stage
 ONEBIT_MODES = ("gradients", "exact", "momentum")
+COMMON = "set-up and pipeline"      # the name of the streams' first part in the digest
 FP32 = "float32"
 
 
@@ -110,80 +123,169 @@ def rank_parts(plan: Plan, rank: int, inputs: StreamInputs, of: Sequence[Variant
     """`rank`'s streams in two parts: what every variant shares (the set-up, the pipeline, the wait for
     its sends) and each variant's rest (collectives only). Each part completes on its own or not at all:
     a rank past its wait has posted and received all its messages, so no rank's pipeline waits for it."""
-    common = _collectives(plan, rank, inputs, None)
-    common += _pipeline(plan, rank, inputs, schedules or default_schedules(plan))
-    common.append(CommEvent(WAIT, rank, "step"))
-    return common, {v: _collectives(plan, rank, inputs, v) for v in of}
+    return Derivation(plan, inputs, schedules).parts(rank, of)
 
 
 def streams(plan: Plan, inputs: StreamInputs, variant: Variant,
             schedules: Schedules | None = None) -> list[list[CommEvent]]:
     """Every rank's stream (index = rank) for one step of `variant`."""
-    schedules = schedules or default_schedules(plan)
-    return [rank_stream(plan, rank, inputs, variant, schedules) for rank in range(plan.world_size)]
-
-
-def _collectives(plan: Plan, rank: int, inputs: StreamInputs, variant: Variant | None) -> list[CommEvent]:
-    """The set-up (`variant` None), or what follows the step's pipeline and its wait: gradient sync,
-    optimizer, loss, and the run's end."""
-    world = _world(plan.world_size)
-    out: list[CommEvent] = []
-
-    def collective(label: str, group: str, members: tuple[int, ...], op: str, shape: tuple[int, ...],
-                   dtype: str, nbytes: int) -> None:
-        out.append(CommEvent(COLLECTIVE, rank, label, group=group, members=members, op=op,
-                             shape=shape, dtype=dtype, nbytes=nbytes))
-
-    if variant is None:
-        for g in plan.grad_groups:
-            collective("setup", WORLD, world, f"new_group grad{g.index}", (len(g.ranks),), "", 0)
-        for name, ranks in tp_groups(plan):
-            collective("setup", WORLD, world, f"new_group {name}", (len(ranks),), "", 0)
-        collective("check", WORLD, world, "all_reduce", (plan.world_size,), "int32", 4 * plan.world_size)
-        return out
-    if variant.loss_scaling:
-        collective("inf check", WORLD, world, "all_reduce", (1,), FP32, 4)
-    if not variant.skipped:
-        groups = [g for g in plan.grad_groups if rank in g.ranks]
-        for g in groups:
-            if g.compressor == "none" or (g.compressor == "onebit" and variant.onebit == "exact"):
-                numel, dtype = _flat(g, inputs)
-                if numel:
-                    collective("sync", f"grad{g.index}", g.ranks, "all_reduce", (numel,), dtype,
-                               numel * _itemsize(dtype))
-            elif not (g.compressor == "onebit" and variant.onebit == "momentum"):
-                for b, n in enumerate(_buckets(g, inputs)):
-                    collective(f"sync b{b}", f"grad{g.index}", g.ranks, g.compressor, (n,), FP32, 4 * n)
-        for g in groups if variant.onebit == "momentum" else ():
-            if g.compressor == "onebit":
-                for b, n in enumerate(_buckets(g, inputs)):
-                    collective(f"step b{b}", f"grad{g.index}", g.ranks, "onebit", (n,), FP32, 4 * n)
-    collective("loss", WORLD, world, "all_reduce", (1,), "float64", 8)
-    collective("end", WORLD, world, "barrier", (), "", 0)
+    derivation = Derivation(plan, inputs, schedules)
+    out = []
+    for rank in range(plan.world_size):
+        common, tails = derivation.parts(rank, [variant])
+        out.append(common + tails[variant])
     return out
+
+
+class Derivation:
+    """The derivation of one plan's streams from its inputs, rank by rank, with what every rank shares
+    made once: the set-up (alike on every rank but for `rank`), each rank's replica, stage, lane and
+    gradient groups, each replica's codecs, each group's payload, each split's value order, and the
+    gradient sync of ranks in the same groups. Made per rank, these cost O(stages^2 + ranks) each: a
+    1024-rank plan of 64-stage pipelines spent seconds on them."""
+
+    def __init__(self, plan: Plan, inputs: StreamInputs, schedules: Schedules | None = None) -> None:
+        self.plan, self.inputs = plan, inputs
+        self.schedules = schedules or default_schedules(plan)
+        self.where: dict[int, tuple[ReplicaPlan, StagePlan]] = {}      # as plan.stage_of_rank: the first
+        for replica in plan.replicas:
+            for stage in replica.stages:
+                for r in stage.ranks:
+                    self.where.setdefault(r, (replica, stage))
+        self.groups_of: dict[int, tuple[int, ...]] = {}                # rank -> its gradient groups, in order
+        for i, g in enumerate(plan.grad_groups):
+            for r in dict.fromkeys(g.ranks):
+                self.groups_of[r] = self.groups_of.get(r, ()) + (i,)
+        self.setup = self._collectives(-1, (), None)                  # made for rank -1
+        self._setup_fields = _fields_after_rank(self.setup)
+        self._codecs: dict[int, dict[tuple[int, int], str]] = {}
+        self._order: dict[int, tuple[SplitView, dict[str, int]]] = {}
+        self._flats: dict[int, tuple[int, str]] = {}                    # group index -> flat all-reduce
+        self._bucket_sizes: dict[int, list[int]] = {}                   # group index -> bucket elements
+        self._tails: dict[tuple[tuple[int, ...], Variant], tuple[list[tuple[object, ...]], str]] = {}
+        self._setup_hash = hashlib.sha256(f"# {COMMON}\n{stream_text(self.setup)}".encode())
+
+    def parts(self, rank: int, of: Sequence[Variant]) -> tuple[list[CommEvent], dict[Variant, list[CommEvent]]]:
+        """`rank`'s set-up, pipeline and wait, and its rest in each variant of `of` (rank_parts)."""
+        common = _for_rank(self._setup_fields, rank) + self._pipeline(rank)
+        common.append(CommEvent(WAIT, rank, "step"))
+        return common, {v: _for_rank(self._tail(rank, v)[0], rank) for v in of}
+
+    def digest(self, rank: int, common: Sequence[CommEvent], of: Sequence[Variant]) -> str:
+        """The digest of `rank`'s streams (`common` from `parts`; each variant of `of` after it), equal to
+        events.digest of its whole streams: the set-up's text (the same on every rank, since an event's
+        text leaves out its rank) and each tail's (the same on ranks of the same groups) are made once."""
+        h = self._setup_hash.copy()
+        rest = common[len(self.setup):]
+        joint = "\n" if self.setup and rest else ""        # stream_text joins the two parts' lines
+        h.update(f"{joint}{stream_text(rest)}\n".encode())
+        for v in of:
+            h.update(self._tail(rank, v)[1].encode())
+        return h.hexdigest()[:DIGEST_CHARS]
+
+    # ----- per rank
+
+    def _tail(self, rank: int, variant: Variant) -> tuple[list[tuple[object, ...]], str]:
+        """What follows the pipeline in `variant` on the ranks of `rank`'s groups (_fields_after_rank),
+        and its section's text."""
+        key = (self.groups_of.get(rank, ()), variant)
+        if key not in self._tails:
+            events = self._collectives(-1, key[0], variant)
+            self._tails[key] = _fields_after_rank(events), section_text(variant.name, events)
+        return self._tails[key]
+
+    def _collectives(self, rank: int, groups: tuple[int, ...], variant: Variant | None) -> list[CommEvent]:
+        """The set-up (`variant` None), or what follows the step's pipeline and its wait on a rank of
+        `groups`: gradient sync, optimizer, loss, and the run's end."""
+        plan = self.plan
+        world = _world(plan.world_size)
+        out: list[CommEvent] = []
+
+        def collective(label: str, group: str, members: tuple[int, ...], op: str, shape: tuple[int, ...],
+                       dtype: str, nbytes: int) -> None:
+            out.append(CommEvent(COLLECTIVE, rank, label, group=group, members=members, op=op,
+                                 shape=shape, dtype=dtype, nbytes=nbytes))
+
+        if variant is None:
+            for g in plan.grad_groups:
+                collective("setup", WORLD, world, f"new_group grad{g.index}", (len(g.ranks),), "", 0)
+            for name, ranks in tp_groups(plan):
+                collective("setup", WORLD, world, f"new_group {name}", (len(ranks),), "", 0)
+            collective("check", WORLD, world, "all_reduce", (plan.world_size,), "int32", 4 * plan.world_size)
+            return out
+        if variant.loss_scaling:
+            collective("inf check", WORLD, world, "all_reduce", (1,), FP32, 4)
+        if not variant.skipped:
+            mine = [plan.grad_groups[i] for i in groups]
+            for g in mine:
+                if g.compressor == "none" or (g.compressor == "onebit" and variant.onebit == "exact"):
+                    numel, dtype = self._flat(g)
+                    if numel:
+                        collective("sync", f"grad{g.index}", g.ranks, "all_reduce", (numel,), dtype,
+                                   numel * _itemsize(dtype))
+                elif not (g.compressor == "onebit" and variant.onebit == "momentum"):
+                    for b, n in enumerate(self._buckets(g)):
+                        collective(f"sync b{b}", f"grad{g.index}", g.ranks, g.compressor, (n,), FP32, 4 * n)
+            for g in mine if variant.onebit == "momentum" else ():
+                if g.compressor == "onebit":
+                    for b, n in enumerate(self._buckets(g)):
+                        collective(f"step b{b}", f"grad{g.index}", g.ranks, "onebit", (n,), FP32, 4 * n)
+        collective("loss", WORLD, world, "all_reduce", (1,), "float64", 8)
+        collective("end", WORLD, world, "barrier", (), "", 0)
+        return out
+
+    def _flat(self, group: GradGroup) -> tuple[int, str]:
+        if group.index not in self._flats:
+            self._flats[group.index] = _flat(group, self.inputs)
+        return self._flats[group.index]
+
+    def _buckets(self, group: GradGroup) -> list[int]:
+        if group.index not in self._bucket_sizes:
+            self._bucket_sizes[group.index] = _buckets(group, self.inputs)
+        return self._bucket_sizes[group.index]
+
+    def _pipeline(self, rank: int) -> list[CommEvent]:
+        replica, stage = self.where[rank]
+        lane = stage.ranks.index(rank)
+        plans: dict[int, dict[str, list[_Message]]] = {}     # micro-batch rows -> the messages of F and B
+        out: list[CommEvent] = []
+        sizes = replica.micro_batch_sizes
+        for action in self.schedules(replica.index)[stage.index]:
+            rows = sizes[action.micro]
+            if rows not in plans:
+                plans[rows] = self._messages(replica.index, stage.index, self.inputs.split(replica.index, rows), lane)
+            label = str(action)
+            for m in plans[rows][action.kind]:
+                out.append(CommEvent(m.kind, rank, label, m.peer, message_tag(action.micro, m.index, m.backward,
+                                                                              m.num_values),
+                                     m.codec, "", (), "", m.shape, m.dtype, m.nbytes))
+        return out
+
+    def _messages(self, replica_index: int, k: int, view: SplitView, lane: int) -> dict[str, list[_Message]]:
+        if replica_index not in self._codecs:
+            self._codecs[replica_index] = edge_codecs(self.plan, replica_index)
+        known = self._order.get(id(view))
+        if known is None or known[0] is not view:
+            known = self._order[id(view)] = view, {name: i for i, name in enumerate(sorted(view.values))}
+        return _messages(self.plan, replica_index, k, view, lane, self._codecs[replica_index], known[1])
+
+
+def _for_rank(collectives: Sequence[tuple[object, ...]], rank: int) -> list[CommEvent]:
+    """`rank`'s collectives from their fields after `rank` (_fields_after_rank). tuple.__new__ is what
+    CommEvent._make calls, less its argument handling: a plan makes some 10^5 of these."""
+    new = tuple.__new__
+    return [new(CommEvent, (COLLECTIVE, rank) + fields) for fields in collectives]
+
+
+def _fields_after_rank(collectives: Sequence[CommEvent]) -> list[tuple[object, ...]]:
+    assert all(e.kind == COLLECTIVE for e in collectives)
+    return [e[2:] for e in collectives]
 
 
 def tp_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
     """The tensor-parallel groups (each stage's shards), in the order every rank creates them
     (process_group.init, after the gradient groups): name `tp<replica>.<stage>` and ranks."""
     return [(f"tp{r.index}.{st.index}", st.ranks) for r in plan.replicas for st in r.stages if st.tp_degree > 1]
-
-
-def _pipeline(plan: Plan, rank: int, inputs: StreamInputs, schedules: Schedules) -> list[CommEvent]:
-    replica, stage = plan.stage_of_rank(rank)
-    lane = stage.ranks.index(rank)
-    plans: dict[int, dict[str, list[_Message]]] = {}     # micro-batch rows -> the messages of F and B
-    out: list[CommEvent] = []
-    for action in schedules(replica.index)[stage.index]:
-        rows = replica.micro_batch_sizes[action.micro]
-        if rows not in plans:
-            plans[rows] = _messages(plan, replica.index, stage.index, inputs.split(replica.index, rows), lane)
-        label = str(action)
-        for m in plans[rows][action.kind]:
-            out.append(CommEvent(m.kind, rank, label, peer=m.peer, tag=message_tag(action.micro, m.index, m.backward,
-                                                                                   m.num_values),
-                                 codec=m.codec, shape=m.shape, dtype=m.dtype, nbytes=m.nbytes))
-    return out
 
 
 @dataclass(frozen=True)
@@ -199,14 +301,14 @@ class _Message:
     nbytes: int
 
 
-def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int = 0) -> dict[str, list[_Message]]:
+def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int, codec: dict[tuple[int, int], str],
+              index: dict[str, int]) -> dict[str, list[_Message]]:
     """Stage k's messages in a forward ("F") and a backward ("B") of one micro-batch, in program order:
     values in value order both ways (pipeline.py), since a pair's messages match in issue order. With
-    tensor parallelism each shard lane is a pipeline of its own: its peers are the same lane's ranks."""
+    tensor parallelism each shard lane is a pipeline of its own: its peers are the same lane's ranks.
+    `codec`: edge_codecs of the replica; `index`: each value's position among the split's, by name."""
     replica = plan.replicas[replica_index]
     num_stages, last = len(replica.stages), len(replica.stages) - 1
-    codec = edge_codecs(plan, replica_index)
-    index = {name: i for i, name in enumerate(sorted(view.values))}
     values = view.values
 
     def message(kind: str, name: str, peer_stage: int, backward: bool, edge: tuple[int, int]) -> _Message:

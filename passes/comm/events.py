@@ -94,9 +94,14 @@ def stream_text(events: Iterable[CommEvent]) -> str:
     return "\n".join(e.text() for e in events)
 
 
+def section_text(name: str, events: Sequence[CommEvent]) -> str:
+    """One section of what a digest hashes: a stream under its name."""
+    return f"# {name}\n{stream_text(events)}\n"
+
+
 def digest(sections: Iterable[tuple[str, Sequence[CommEvent]]]) -> str:
     """The digest of one rank's streams, each under its name (one per run variant)."""
     h = hashlib.sha256()
     for name, events in sections:
-        h.update(f"# {name}\n{stream_text(events)}\n".encode())
+        h.update(section_text(name, events).encode())
     return h.hexdigest()[:DIGEST_CHARS]

@@ -6,7 +6,8 @@ has finished, a message nobody receives. Every error names the ranks and shows t
 around the stall (`format_grid`).
 
 Each rank runs until it blocks; a send, a receipt or a completed collective wakes the ranks it may
-unblock. Work is linear in the number of events (collectives: in members per arrival).
+unblock. Work is linear in the number of events (collectives: in members per arrival); the opening
+collectives every rank issues alike over all ranks (the set-up) are settled at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
-from passes.comm.events import KINDS, RECV, SEND, WAIT, CommEvent
+from passes.comm.events import COLLECTIVE, KINDS, RECV, SEND, WAIT, CommEvent
 from planner.core.errors import PassError
 
 Streams = Sequence[Sequence[CommEvent]]
@@ -51,6 +52,7 @@ class _Run:
                 if e.rank != r or e.kind not in KINDS:
                     raise PassError(f"event {i} of rank {r}'s stream is `{e.kind}` of rank {e.rank}",
                                     fix="report this plan")
+        self._settle_opening()
         while self.queue:
             r = self.queue.popleft()
             self.queued[r] = False
@@ -64,6 +66,36 @@ class _Run:
             raise PassError(f"unreceived messages{self.what}: rank {src} sends `{e.text()}` to rank {dst}, "
                             f"which never receives it ({len(left)} pair(s) left)\n"
                             + self.grid([(src, i), (dst, len(self.streams[dst]))]), fix="report this plan")
+
+    def _settle_opening(self) -> None:
+        """Complete at once the collectives every rank opens its stream with, the same on every rank and
+        each over all ranks (the set-up: a group creation per group, in plan order). Each of them
+        completes as soon as every rank reached it, so running them arrival by arrival would end in this
+        very state: each rank past them, each group entered as often, nothing posted or waiting (and a
+        1024-rank plan has some 10^5 such arrivals). A rank that differs ends the opening for all."""
+        if not self.n or not self.streams[0]:
+            return
+        first = self.streams[0]
+        everyone = frozenset(range(self.n))
+        length = 0
+        while (length < len(first) and first[length].kind == COLLECTIVE
+               and self._members(first[length]) == everyone):
+            length += 1
+        expected = [e.signature() for e in first[:length]]
+        for stream in self.streams[1:]:
+            k, limit = 0, min(length, len(stream))
+            while k < limit and stream[k].kind == COLLECTIVE and stream[k].signature() == expected[k]:
+                k += 1
+            length = k
+            if not length:
+                return
+        entered: dict[str, int] = {}
+        for e in first[:length]:
+            entered[e.group] = entered.get(e.group, 0) + 1
+        for r in range(self.n):
+            self.pos[r] = length
+            for group, k in entered.items():
+                self.entered[r, group] = k
 
     def _wake(self, r: int) -> None:
         if not self.queued[r] and self.pos[r] < len(self.streams[r]):

@@ -32,3 +32,15 @@ def positive_number(what: str) -> Callable[[str], float]:
 
     parse.__name__ = what   # argparse names the type in some messages
     return parse
+
+
+def whole_number(what: str, maximum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from 1 to `maximum`, for `what`."""
+
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or not 1 <= int(text) <= maximum:
+            raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {maximum}, got {text[:40]!r}")
+        return int(text)
+
+    parse.__name__ = what
+    return parse

@@ -7,10 +7,12 @@
     plan profile [--out FILE] [--model M] [--quick]  measure this machine; `plan --calibration FILE` uses it
     plan export OUT --onnx DIR                     each stage as ONNX, checked in onnxruntime
     plan replan OUT --without LABEL -o OUT2        the same model and options on the cluster less lost devices
+    plan estimate MODEL.py --cluster SPEC.yaml --layout LAYOUT [-o OUT]   a layout you wrote, estimated
 
 Each command is a module of its own, imported on demand: `plan run --help` need not import the planner.
 Every error a user can act on is one line on stderr and an exit code: 2 bad input (model file, spec,
-options, plan directory), 3 no feasible plan, 4 internal pass failure, 130 interrupted (Ctrl-C).
+options, plan directory), 3 no feasible plan, 4 internal pass failure, 5 a layout given to
+`plan estimate` does not fit its devices' memory, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 
 from planner.core.errors import HetplanError
 
-SUBCOMMANDS = ("inspect", "diff", "run", "profile", "export", "replan")
+SUBCOMMANDS = ("inspect", "diff", "run", "profile", "export", "replan", "estimate")
 INTERRUPTED_EXIT_CODE = 130   # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE, as for any command whose reader went away
 
@@ -51,6 +53,10 @@ def _command(name: str) -> Callable[[list[str]], int]:
         from planner.cli.replan_cmd import cmd_replan
 
         return cmd_replan
+    if name == "estimate":
+        from planner.cli.estimate_cmd import cmd_estimate
+
+        return cmd_estimate
     from planner.cli.plan_cmd import cmd_plan
 
     return cmd_plan

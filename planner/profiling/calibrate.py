@@ -118,6 +118,14 @@ def reference_work_s() -> float:
         torch.set_num_threads(threads)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; every core where the OS does not say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def free_port() -> int:
     """A TCP port free on localhost right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -312,11 +320,12 @@ def _document(results: list[dict[str, Any]], concurrency: int, device: str,
                    "threads_per_process": first["threads_per_process"]},
         "measured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": platform.node() or "unknown", "cpu_cores": os.cpu_count() or 1,
-        "host_sharing": {"processes": concurrency, "cores": os.cpu_count() or 1, "contention_factor": contention,
-                         "windows": windows, "method": (
+        "host_sharing": {"processes": concurrency, "cores": os.cpu_count() or 1, "usable_cores": usable_cores(),
+                         "contention_factor": contention, "windows": windows, "method": (
                              f"wall / CPU seconds of {CONTENTION_WINDOW_S} s windows of CPU-bound work run by "
                              "every computing worker at once; converts the CPU seconds of compute, update and "
-                             "batch figures to wall seconds of one process of such a job")},
+                             "batch figures to wall seconds of one process of such a job, and, with the usable "
+                             "cores, of jobs of other sizes (costmodel.host_sharing)")},
         "torch_version": first["torch_version"], "method": METHOD,
         "compute": compute, "optimizer": _optimizer_fit(optimizer),
         "comm": {"backend": "gloo", "processes": len(results), "p2p": _alpha_beta(comm["p2p"]),

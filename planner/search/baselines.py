@@ -29,15 +29,18 @@ And the two plans a user would try first (FIRST_TRIES; always among the runners-
   planner.search.ilp over the one-stage candidates only.
 
 Estimates use the ILP's formulas (pipeline time per replica; gradient sync as planner.search.sync
-charges it), with the exact replica count. A baseline that cannot fit
-the model raises PlanningError saying why.
+charges it), with the exact replica count; where the replicas' splits do not nest (metis' per-class
+splits; planner.search.align), their fragmented gradient groups run one after another, and the sync
+is that chain, as the simulator runs it (baseline_costs.fragmented_sync_s). A depth and micro-batch size
+whose compute bound (baseline_costs.layout_bound_s) cannot beat the best estimate so far is skipped: it
+could not be chosen. A baseline that cannot fit the model raises PlanningError saying why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from costmodel import memory, tensor_parallel
 from costmodel.tables import ClassTable, CostTables
@@ -46,8 +49,9 @@ from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec, Link
 from planner.core.errors import PlanningError
 from planner.core.ir import Plan, PlanInputs
-from planner.search import candidates, ilp, topology
+from planner.search import align, candidates, ilp, topology
 from planner.search.assemble import assemble
+from planner.search.baseline_costs import BOUND_SLACK, fragmented_sync_s, layout_bound_s, pipelines_per_class
 from planner.search.compressors import with_compressor_room
 from planner.search.configs import build_configs, micro_batch_options, overlap_of, stage_count_options
 from planner.search.explain import GIB
@@ -87,20 +91,13 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
     return with_compressor_room(tables, [candidates.Config(cls, num_stages, micro_batch, split, opt, intra)])[0]
 
 
-def pipelines_per_class(table: ClassTable, num_stages: int) -> int:
-    """Pipelines of depth `num_stages` that assemble places without splitting one across nodes
-    needlessly: whole pipelines per node, or whole nodes per pipeline."""
-    if num_stages <= table.per_node:
-        return table.num_nodes * (table.per_node // num_stages)
-    return table.num_nodes // math.ceil(num_stages / table.per_node)
-
-
 def replica_time_s(config: candidates.Config, share: int) -> float:
     return config.replica_time_s(math.ceil(share / config.micro_batch))
 
 
 def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTIC_STATUS) -> candidates.Solution:
-    """A Solution for explicit replicas (config, share), estimated with the ILP's formulas."""
+    """A Solution for explicit replicas (config, share), estimated with the ILP's formulas (and, for
+    splits that do not nest, the chain their gradient groups run in)."""
     replicas = [(c, share) for c, share in replicas if share > 0]
     pipeline_s = max(replica_time_s(c, share) for c, share in replicas)
     classes = {c.cls for c, _ in replicas}
@@ -111,7 +108,7 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     else:
         link = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
     # as the ILP charges it (planner.search.sync): each split's slowest stage, tied groups included,
-    # less its overlap with the drain; misaligned splits' fragmented groups are not charged here
+    # less its overlap with the drain
     configs = [c for c, _ in replicas]
     sync_s = max(split_sync_s(tables, c.cls, c.split.bounds, [len(replicas)], link,
                               overlap_of(tables, configs, c.shape, c.split.bounds), c.stage_compressors)[0]
@@ -119,6 +116,8 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     counts: dict[tuple[candidates.Config, int], int] = {}
     for key in replicas:
         counts[key] = counts.get(key, 0) + 1
+    if align.conflicts(list(dict.fromkeys(c.split.bounds for c in configs))):
+        sync_s = max(sync_s, fragmented_sync_s(tables, counts, configs, link, pipeline_s))
     choices = tuple(candidates.Choice(c, n, share) for (c, share), n in counts.items())
     return candidates.Solution(choices=choices, pipeline_s=pipeline_s, sync_s=sync_s, objective_s=pipeline_s + sync_s,
                         bound_s=0.0, status=status, configurations=len(counts), one_node=one_node)
@@ -160,12 +159,19 @@ Layout = Callable[[int, int], list[Replica] | None]   # (depth, micro-batch) -> 
 
 
 def _best(tables: CostTables, layout: Layout, depths: list[int], micros: list[int],
-          first_fit: bool = False) -> candidates.Solution | None:
+          first_fit: bool = False, classes: Sequence[int] | None = None,
+          beat_s: float = math.inf) -> candidates.Solution | None:
     """The layout with the smallest estimate over depths and micro-batch sizes (with `first_fit`:
-    the smallest depth at which any micro-batch size fits)."""
+    the smallest depth at which any micro-batch size fits). With `classes` (those the layout may
+    use), a depth and size whose layout_bound_s cannot beat the best so far, nor `beat_s` (the
+    caller's best elsewhere), is not built: it could not be chosen."""
     best: candidates.Solution | None = None
     for S in depths:
         for m in micros:
+            incumbent_s = min(best.objective_s if best is not None else math.inf, beat_s)
+            if classes is not None and incumbent_s < math.inf and \
+                    layout_bound_s(tables, classes, S, m) > incumbent_s * (1 + BOUND_SLACK):
+                continue
             replicas = layout(S, m)
             if not replicas:
                 continue
@@ -224,9 +230,10 @@ def uniform_solution(tables: CostTables, options: SearchOptions) -> Priced:
     """Smallest depth whose equal-block split fits every class (else: the classes it fits)."""
     everyone = list(range(len(tables.classes)))
     depths, micros = _depths(tables, everyone, options), _micro_batches(tables, options)
-    sol = _best(tables, _even_layout(tables, everyone, balanced=False), depths, micros, first_fit=True) \
+    sol = _best(tables, _even_layout(tables, everyone, balanced=False), depths, micros, first_fit=True,
+                classes=everyone) \
         or _best(tables, _even_layout(tables, everyone, balanced=False, strict=False), depths, micros,
-                 first_fit=True)
+                 first_fit=True, classes=everyone)
     if sol is None:
         raise _fail("uniform", tables, "no depth lets an equal-block split fit on any device class")
     return sol, tables
@@ -242,7 +249,7 @@ def fastest_solution(tables: CostTables, options: SearchOptions) -> Priced:
     fastest = min(tables.classes, key=lambda t: (time_per_sample_s(t), -t.num_devices)).device_type
     chosen = [ci for ci, t in enumerate(tables.classes) if t.device_type == fastest]
     sol = _best(tables, _even_layout(tables, chosen, balanced=True), _depths(tables, chosen, options),
-                _micro_batches(tables, options))
+                _micro_batches(tables, options), classes=chosen)
     if sol is None:
         raise _fail("fastest", tables, f"the model fits on no pipeline of {fastest} devices")
     return sol, tables
@@ -265,7 +272,7 @@ def megatron_solution(tables: CostTables, options: SearchOptions) -> Priced:
     at_t = tensor_parallel.at_degree(tables, tables.shardings, degree)
     everyone = list(range(len(at_t.classes)))
     sol = _best(at_t, _even_layout(at_t, everyone, balanced=False, strict=False),
-                _depths(at_t, everyone, options), _micro_batches(at_t, options), first_fit=True)
+                _depths(at_t, everyone, options), _micro_batches(at_t, options), first_fit=True, classes=everyone)
     if sol is None:
         raise _fail("megatron", at_t, f"no depth lets an equal-block split fit on any device class at "
                                       f"tensor-parallel degree {degree}")
@@ -274,18 +281,25 @@ def megatron_solution(tables: CostTables, options: SearchOptions) -> Priced:
 
 def metis_solution(tables: CostTables, options: SearchOptions) -> Priced:
     """Per usable tensor-parallel degree: the best common depth, per-class balanced splits, shares
-    proportional to replica speed; the best over the degrees (ties: the lower degree)."""
-    best: Priced | None = None
+    proportional to replica speed; the best over the degrees (ties: the lower degree). The degrees are
+    tried by their least layout bound first, so a good plan found early prunes the others."""
+    tried = []
     for degree in tensor_parallel.usable_degrees(tables, tables.shardings, options.tp, options.use_all_devices):
         at_t = tensor_parallel.at_degree(tables, tables.shardings, degree)
         everyone = list(range(len(at_t.classes)))
-        sol = _best(at_t, _metis_layout(at_t), _depths(at_t, everyone, options), _micro_batches(at_t, options))
-        if sol is not None and (best is None or sol.objective_s < best[0].objective_s):
-            best = sol, at_t
+        depths, micros = _depths(at_t, everyone, options), _micro_batches(at_t, options)
+        least_s = min((layout_bound_s(at_t, everyone, S, m) for S in depths for m in micros), default=math.inf)
+        tried.append((least_s, degree, at_t, depths, micros))
+    best: tuple[float, int, Priced] | None = None       # (estimate, degree, what it returns)
+    for _, degree, at_t, depths, micros in sorted(tried, key=lambda t: (t[0], t[1])):
+        sol = _best(at_t, _metis_layout(at_t), depths, micros, classes=list(range(len(at_t.classes))),
+                    beat_s=best[0] if best is not None else math.inf)
+        if sol is not None and (best is None or (sol.objective_s, degree) < best[:2]):
+            best = sol.objective_s, degree, (sol, at_t)
     if best is None:
         raise _fail("metis", tables, "no depth lets a balanced split fit on any device class at any "
                                      "tensor-parallel degree")
-    return best
+    return best[2]
 
 
 def as_gpipe(tables: CostTables, solution: candidates.Solution) -> candidates.Solution:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from planner.core.units import NS_PER_S
-from planner.search.pipeline import pipeline_s
+from planner.search.pipeline import pipeline_one_s, pipeline_s
 from planner.search.split import Split
 
 
@@ -45,9 +45,10 @@ class Config:
 
     def replica_time_s(self, micro_batches: int) -> float:
         """One replica's iteration with M micro-batches: its schedule's makespan
-        (planner.search.pipeline), then the optimizer."""
+        (planner.search.pipeline), then the optimizer. Computed for this count alone (pipeline_one_s):
+        the same number as replica_time_ns' table of every count gives."""
         sp = self.split
-        return pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s
+        return pipeline_one_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s
 
     def micro_batch_counts(self, global_batch: int, most: int) -> range:
         """The micro-batch counts a replica of this configuration may run: up to `most`, no more than
@@ -58,7 +59,10 @@ class Config:
         return range(1, limit + 1)
 
     def replica_time_ns(self, micro_batches: int) -> int:
-        return to_ns(self.replica_time_s(micro_batches))
+        """replica_time_s on the solver's clock, read from the pipeline's table of every count (the
+        solver asks for each count up to the batch's)."""
+        sp = self.split
+        return to_ns(pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s)
 
 
 @dataclass(frozen=True)

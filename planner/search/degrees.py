@@ -7,7 +7,8 @@ in every replica, so replicas of different degrees could not sync (the program w
 parameter cut at the finest degree). Each variant's configurations and CP-SAT models are the ones the
 degree-1 search builds (planner.search.configs, planner.search.ilp), on its own tables; the best
 solution over the variants wins, ties to the lower degree and no ZeRO (fewer collectives). Under the time
-objective a variant whose compute bound already exceeds the best plan found is not built (`search`).
+objective a variant whose lower bound already exceeds the best plan found is not built, or not solved
+(`search`, planner.search.bounds).
 
 ZeRO is offered where memory is short (`zero="auto"`: the model does not fit one device of any class
 whole), always (`on`), or never (`off`).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from costmodel import sharded_state, tensor_parallel
 from costmodel.compression import compression_of
 from costmodel.tables import CostTables
-from planner.search import cost, ilp
+from planner.search import bounds, cost, ilp
 from planner.search.candidates import Config, Solution
 from planner.search.configs import MIXED_MAX_DEVICES, build_configs, stage_count_options
 from planner.search.enumerate import exact_solution
@@ -104,9 +105,11 @@ def _zero_groups(tables: CostTables, zero: str) -> list[int]:
     return [1, group] if short else [1]
 
 
-def solve(variant: Variant, options: SearchOptions, cutoff_s: float | None = None) -> list[Solution]:
+def solve(variant: Variant, options: SearchOptions, cutoff_s: float | None = None,
+          items: list[ilp.Item] | None = None) -> list[Solution]:
     """The variant's solutions under the strategy and objective, best first (as strategies.run asks); under
-    the time objective with `cutoff_s`, only solutions at most that fast (ilp.solve_regime)."""
+    the time objective with `cutoff_s`, only solutions at most that fast (ilp.solve_regime); `items`: the
+    variant's ilp.pareto_items where already built."""
     least = variant.zero_group
     settings = options.solver
     if settings.dump_dir is not None and (variant.tp_degree, variant.zero_group) != (1, 1):
@@ -120,7 +123,8 @@ def solve(variant: Variant, options: SearchOptions, cutoff_s: float | None = Non
         return cost.solve_cost(variant.tables, variant.configs, settings,
                                use_all_devices=options.use_all_devices, min_replicas=least)
     return ilp.solve_regimes(variant.tables, variant.configs, settings,
-                             use_all_devices=options.use_all_devices, min_replicas=least, cutoff_s=cutoff_s)
+                             use_all_devices=options.use_all_devices, min_replicas=least, cutoff_s=cutoff_s,
+                             items=items)
 
 
 def most_replicas(tables: CostTables, options: SearchOptions) -> float:
@@ -150,15 +154,18 @@ def search(tables: CostTables, options: SearchOptions,
     """The solutions of every variant that could win, best first, and per variant what it cost to find
     them (configurations built and solved, seconds each; `pruned` where skipped).
 
-    Under the time objective the variants are taken by their compute bound (`compute_bound_s`), and a
-    variant whose bound exceeds the best objective found so far is skipped before its configurations
-    are built: it could not win, so the chosen plan is the one the full search would choose. The
-    runners-up then come from the variants solved."""
+    Under the time objective the variants are taken highest degree first, and a variant whose lower
+    bound (`compute_bound_s` and bounds.pipeline_bound_s: the least time any plan of the variant could
+    take) exceeds the best objective found so far is skipped before its configurations are built, or,
+    by the bound over its CP-SAT items (bounds.items_bound_s), before its model is: it could not win, so
+    the chosen plan is the one the full search would choose. The others are solved with the best time
+    so far as a cutoff (ilp.solve_regime). The runners-up then come from the variants solved."""
     by_time = options.objective == "time"
-    todo = [(compute_bound_s(at) if by_time else 0.0, t, z, at) for t, z, at in variant_tables(tables, options)]
-    # the highest degree (ZeRO first) first: on the models that need the cluster it is the one that wins, so
-    # the others are solved against its time as a cutoff (ilp.solve_regime) and proven slower quickly
-    todo.sort(key=lambda b_t_z: (-b_t_z[1], -b_t_z[2]))
+    todo = [(max(compute_bound_s(at), bounds.pipeline_bound_s(at, options.stages, options.micro_batch))
+             if by_time else 0.0, t, z, at) for t, z, at in variant_tables(tables, options)]
+    # the highest degree first, no ZeRO first: on the models that need the cluster it is the one that wins,
+    # so the others meet its time as a bound or a cutoff
+    todo.sort(key=lambda b_t_z: (-b_t_z[1], b_t_z[2]))
     found: list[tuple[Solution, Variant]] = []
     records: list[dict[str, float | int | str]] = []
     best_s = float("inf")
@@ -166,8 +173,8 @@ def search(tables: CostTables, options: SearchOptions,
         record: dict[str, float | int | str] = {"tp_degree": t, "zero_group": z, "bound_s": bound_s,
                                                 "configs_s": 0.0, "solve_s": 0.0, "configurations": 0}
         records.append(record)
-        if by_time and bound_s > best_s:
-            record["pruned"] = "compute bound above the best found"
+        if by_time and _above(bound_s, best_s):
+            record["pruned"] = "lower bound above the best found"
             continue
         if z > most_replicas(at, options):
             record["pruned"] = f"at most {most_replicas(at, options)} replicas fit, ZeRO's group needs {z}"
@@ -179,7 +186,15 @@ def search(tables: CostTables, options: SearchOptions,
         if not configs:
             continue
         variant = Variant(t, z, at, configs)
-        solutions = solve(variant, options, best_s if by_time else None)
+        items = ilp.pareto_items(at, configs) if options.strategy != "exact" and by_time else None
+        if items is not None:
+            record["items_bound_s"] = bounds.items_bound_s(at, configs, [(i.config, i.time_ns, i.capacity)
+                                                                         for i in items])
+            if _above(float(record["items_bound_s"]), best_s):
+                record["pruned"] = "bound over the CP-SAT items above the best found"
+                record["solve_s"] = time.perf_counter() - t0
+                continue
+        solutions = solve(variant, options, best_s if by_time else None, items)
         record["solve_s"] = time.perf_counter() - t0
         found.extend((s, variant) for s in solutions)
         if solutions:
@@ -191,3 +206,8 @@ def search(tables: CostTables, options: SearchOptions,
         price = cost.cost_per_sample(v.tables, s) if options.objective == "cost" else 0.0
         return (round(price, 15), round(s.objective_s, 12), v.tp_degree, v.zero_group, s.one_node)
     return sorted(found, key=key), records
+
+
+def _above(bound_s: float, best_s: float) -> bool:
+    """A variant with this lower bound cannot reach the best objective found (beyond rounding to ns)."""
+    return bound_s > best_s + 1e-9

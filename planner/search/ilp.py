@@ -217,9 +217,10 @@ def solve(tables: CostTables, configs: list[Config], settings: SolverSettings = 
 
 def solve_regimes(tables: CostTables, configs: list[Config], settings: SolverSettings = DEFAULT_SETTINGS,
                   use_all_devices: bool = False, min_replicas: int = 1,
-                  cutoff_s: float | None = None) -> list[Solution]:
-    """The best plan of each topology regime that has one, best first."""
-    items = pareto_items(tables, configs)
+                  cutoff_s: float | None = None, items: list[Item] | None = None) -> list[Solution]:
+    """The best plan of each topology regime that has one, best first (`items`: pareto_items of these
+    configurations where the caller built them)."""
+    items = pareto_items(tables, configs) if items is None else items
     if not items:
         return []
     regimes = [False] if use_all_devices else [False, True]

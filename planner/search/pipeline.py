@@ -14,6 +14,10 @@ slow stage's warm-up forwards overlap the other stages' fill, and how transfers 
 - M < S - 1 (warm-up cut short): the schedule is walked action by action, O(S * M) per M
   (pipelines deeper than WALK_MAX_STAGES: at powers of two, interpolated between).
 
+`pipeline_s` reads one count from the table of every count (cached per pipeline: the ILP asks for each
+count); `pipeline_one_s` computes the same number for one count alone (the baselines and assembly ask
+for one count per pipeline), walking only the counts that entry reads.
+
 GPipe (every forward, then every backward) is two flow shops of identical jobs whose machines are the
 stages and the links between them: the forwards from stage 0, then the backwards from the last
 stage, stage s starting them once its own forwards end. The longest path through such a lattice
@@ -29,8 +33,6 @@ import functools
 
 import numpy as np
 
-from planner.core import schedule as sched
-
 # Beyond this depth the short-warm-up counts (M < S - 1) are walked at M = 1, 2, 4, 8, ... only and
 # interpolated linearly between them and the exact M = S - 1 (walking every one costs O(S^3) per
 # pipeline); the closed form, an upper bound, caps the interpolation.
@@ -42,11 +44,27 @@ DEFAULT_MAX_MICRO = 256
 
 def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int,
                schedule: str = "1f1b") -> float:
-    """The makespan with `micro_batches` micro-batches under `schedule` (cached per pipeline)."""
+    """The makespan with `micro_batches` micro-batches under `schedule` (the whole table of counts cached
+    per pipeline: for callers that ask for every count, as the ILP's candidate items do)."""
+    return float(_cached(fwd, bwd, send, _limit(micro_batches), schedule)[micro_batches])
+
+
+def pipeline_one_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int,
+                   schedule: str = "1f1b") -> float:
+    """`pipeline_s` at one count, the same number to the bit, without the table of every count: only the
+    walks and the lattice that count's entry reads (cached per pipeline and count). For callers that ask
+    for one count per pipeline (the baselines, assembly)."""
+    if schedule == "gpipe":      # O(S) per count already
+        return pipeline_s(fwd, bwd, send, micro_batches, schedule)
+    return _one_cached(fwd, bwd, send, micro_batches, _limit(micro_batches))
+
+
+def _limit(micro_batches: int) -> int:
+    """The table size a count is cached in: DEFAULT_MAX_MICRO, doubled until it holds the count."""
     limit = DEFAULT_MAX_MICRO
     while limit < micro_batches:
         limit *= 2
-    return float(_cached(fwd, bwd, send, limit, schedule)[micro_batches])
+    return limit
 
 
 def pipeline_at_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
@@ -122,42 +140,87 @@ def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[floa
     return out
 
 
+def _walked(S: int, M: int, max_micro: int) -> bool:
+    """Whether makespans_s walks count M < S - 1 (else it interpolates it)."""
+    last_short = min(S - 2, max_micro)
+    return S <= WALK_MAX_STAGES or M & (M - 1) == 0 or (M == last_short and max_micro < S - 1)
+
+
+@functools.lru_cache(maxsize=65536)
+def _one_cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], M: int,
+                max_micro: int) -> float:
+    """makespans_s(fwd, bwd, send, max_micro)[M], computed by the same operations on the entries it reads."""
+    f, b, x = _arrays(fwd, bwd, send)
+    S = len(f)
+    if S == 1:
+        return float(M * (f[0] + b[0]))
+    if M >= S - 1:
+        return float(_lattice(f, b, x, M)[-1])
+    if _walked(S, M, max_micro):
+        return walk_s(f, b, x, M)
+    lo = max(k for k in range(1, M) if _walked(S, k, max_micro))
+    hi = next((k for k in range(M + 1, S - 1) if _walked(S, k, max_micro)), S - 1)
+    out_lo = np.float64(_one_cached(fwd, bwd, send, lo, max_micro))
+    out_hi = np.float64(_one_cached(fwd, bwd, send, hi, max_micro))
+    between = out_lo + (out_hi - out_lo) * (M - lo) / (hi - lo)
+    return float(min(between, closed_form_s(f, b, x[:-1], M)))
+
+
 def walk_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, M: int) -> float:
-    """The 1F1B schedule (planner.core.schedule) walked action by action, as backends/sim does."""
+    """The 1F1B schedule (planner.core.schedule.one_f_one_b) walked action by action, as backends/sim
+    does. Actions are ints (micro-batch j: forward j, backward -1 - j) and each stage runs until it waits
+    on an input, in the same order and with the same arithmetic as the simulator's walk."""
     S = len(f)
     fl, bl, xl = f.tolist(), b.tolist(), x.tolist()
-    actions = sched.one_f_one_b(S, M)
+    actions = [_one_f_one_b_order(S, s, M) for s in range(S)]
     pos, free = [0] * S, [0.0] * S
     f_in = [[-1.0] * M for _ in range(S)]     # arrival of micro-batch j's input (-1: not yet)
     b_in = [[-1.0] * M for _ in range(S)]
     link_f, link_b = [0.0] * S, [0.0] * S
-    remaining = sum(len(a) for a in actions)
+    remaining = 2 * S * M
+    down, up = range(S), range(S - 1, -1, -1)
+    sweep = 0
     while remaining:
-        for s in range(S):
-            acts = actions[s]
-            while pos[s] < len(acts):
-                a = acts[pos[s]]
-                j = a.micro
-                if a.kind == "F":
-                    ready = 0.0 if s == 0 else f_in[s][j]
+        # forwards flow down the stages and gradients up: sweeping both ways in turn needs fewer sweeps
+        # (any order gives the same times: each value waits only on its own inputs)
+        sweep += 1
+        for s in (down if sweep % 2 else up):
+            acts, p, t = actions[s], pos[s], free[s]
+            n = len(acts)
+            fs, bs = fl[s], bl[s]
+            while p < n:
+                a = acts[p]
+                if a >= 0:
+                    ready = 0.0 if s == 0 else f_in[s][a]
                     if ready < 0:
                         break
-                    end = max(free[s], ready) + fl[s]
+                    t = max(t, ready) + fs
                     if s + 1 < S:
-                        link_f[s] = max(end, link_f[s]) + xl[s]
-                        f_in[s + 1][j] = link_f[s]
+                        link_f[s] = max(t, link_f[s]) + xl[s]
+                        f_in[s + 1][a] = link_f[s]
                 else:
+                    j = -1 - a
                     ready = 0.0 if s == S - 1 else b_in[s][j]
                     if ready < 0:
                         break
-                    end = max(free[s], ready) + bl[s]
+                    t = max(t, ready) + bs
                     if s > 0:
-                        link_b[s] = max(end, link_b[s]) + xl[s - 1]
+                        link_b[s] = max(t, link_b[s]) + xl[s - 1]
                         b_in[s - 1][j] = link_b[s]
-                free[s] = end
-                pos[s] += 1
-                remaining -= 1
+                p += 1
+            remaining -= p - pos[s]
+            pos[s], free[s] = p, t
     return max(free)
+
+
+def _one_f_one_b_order(S: int, s: int, M: int) -> list[int]:
+    """Stage s's actions under 1F1B as ints (forward j: j; backward j: -1 - j): S-s-1 warm-up
+    forwards, then one forward and one backward in turn, then the drain (planner.core.schedule)."""
+    warm = min(S - s - 1, M)
+    order = list(range(warm))
+    for i in range(M - warm):
+        order += [warm + i, -1 - i]
+    return order + [-1 - j for j in range(M - warm, M)]
 
 
 def _lattice(f: np.ndarray, b: np.ndarray, x: np.ndarray, max_micro: int) -> np.ndarray:

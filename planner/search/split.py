@@ -5,9 +5,9 @@ minimising the slowest stage's time per micro-batch (compute, launches, boundary
 with the activation compressor the policy picks on its cut: topology.Cut) subject to each stage's
 memory (training state + activations of its in-flight micro-batches under 1F1B + the framework's)
 fitting the device by the one memory rule (costmodel.memory.fits). A dynamic programme solves it
-exactly (the bottleneck contiguous partition; alpa's stage construction does the same); the
-top-level CP-SAT model then chooses among the shapes. With recompute (activation checkpointing of
-the whole stage) a stage keeps only its inputs per in-flight micro-batch and runs each forward
+exactly (the bottleneck contiguous partition, planner.search.bottleneck; alpa's stage construction
+does the same); the top-level CP-SAT model then chooses among the shapes. With recompute (activation
+checkpointing of the whole stage) a stage keeps only its inputs per in-flight micro-batch and runs each forward
 twice. Recompute is decided per stage: where a split may recompute, exactly the stages whose
 activations do not fit otherwise do (under 1F1B the first stages hold the most micro-batches, so
 they are the ones that need it).
@@ -24,6 +24,7 @@ from costmodel import constants as C
 from costmodel import memory
 from costmodel.activation_compression import cut_transfer
 from costmodel.tables import ClassTable
+from planner.search.bottleneck import LaneArrays, bottleneck_bounds
 from planner.search.topology import Cut, Links
 
 NS_PER_S = 1e9
@@ -75,9 +76,14 @@ def block_phases_s(table: ClassTable, blocks: range, micro_batch: int, recompute
     """One micro-batch's forward and backward through `blocks`, as the program runs them: launches
     split evenly between the two, and recompute's second forward inside the backward (the sum is
     block_time_s's; backends.sim.inputs splits a stage record the same way)."""
-    fwd = sum(table.fwd_s[b] for b in blocks) * micro_batch
-    bwd = sum(table.bwd_s[b] for b in blocks) * micro_batch
-    overhead = sum(table.overhead_s[b] for b in blocks)
+    return _phases_s(_over(table.fwd_s, blocks), _over(table.bwd_s, blocks), _over(table.overhead_s, blocks),
+                     micro_batch, recompute)
+
+
+def _phases_s(fwd_sum: float, bwd_sum: float, overhead: float, micro_batch: int,
+              recompute: bool) -> tuple[float, float]:
+    """block_phases_s from the blocks' summed forward, backward and launch times."""
+    fwd, bwd = fwd_sum * micro_batch, bwd_sum * micro_batch
     if recompute:
         return fwd + 0.5 * overhead, bwd + fwd + overhead
     return fwd + 0.5 * overhead, bwd + 0.5 * overhead
@@ -87,10 +93,20 @@ def kept_activation_bytes(table: ClassTable, blocks: range, micro_batch: int, in
                           recompute: bool) -> float:
     """Activations a stage holds at peak: all in-flight micro-batches' (no recompute), or their
     stage inputs plus one micro-batch being recomputed."""
+    return _kept_bytes(_over(table.act_bytes, blocks), max(table.boundary_bytes) if recompute else 0.0,
+                       micro_batch, in_flight, recompute)
+
+
+def _kept_bytes(act_sum: float, stage_input: float, micro_batch: int, in_flight: int, recompute: bool) -> float:
+    """kept_activation_bytes from the blocks' summed activations and the largest stage input."""
     if not recompute:
-        return sum(table.act_bytes[b] for b in blocks) * micro_batch * in_flight
-    stage_input = max(table.boundary_bytes)
-    return (stage_input * in_flight + sum(table.act_bytes[b] for b in blocks)) * micro_batch
+        return act_sum * micro_batch * in_flight
+    return (stage_input * in_flight + act_sum) * micro_batch
+
+
+def _over(values: tuple[float, ...], blocks: range) -> float:
+    """The sum of `values` over a contiguous block range, in block order (as a loop over it adds)."""
+    return sum(values[blocks.start:blocks.stop])
 
 
 def cut_send(link: Cut | tuple[float, float], nbytes: float, element_bytes: int) -> tuple[float, str]:
@@ -129,23 +145,23 @@ def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], mic
     with `recompute`, the stages whose activations do not fit their memory otherwise recompute."""
     S = len(bounds) - 1
     mems, grads, fwds, bwds, sends, recomputes, codecs = [], [], [], [], [], [], []
+    stage_input: dict[int, float] = {}      # per table: the largest boundary (what recompute keeps)
     for s, table in enumerate(stage_tables):
-        blocks = range(bounds[s], bounds[s + 1])
-        state = sum(table.state_bytes[b] for b in blocks)
-        mem = memory.need_bytes(state, kept_activation_bytes(table, blocks, micro_batch, S - s, False),
-                                table.framework_bytes)
+        lo, hi = bounds[s], bounds[s + 1]
+        state, act = sum(table.state_bytes[lo:hi]), sum(table.act_bytes[lo:hi])
+        mem = memory.need_bytes(state, _kept_bytes(act, 0.0, micro_batch, S - s, False), table.framework_bytes)
         stage_recompute = recompute and not memory.fits(mem, table.capacity_bytes)
         if stage_recompute:
-            mem = memory.need_bytes(state, kept_activation_bytes(table, blocks, micro_batch, S - s, True),
-                                    table.framework_bytes)
-        fwd, bwd = block_phases_s(table, blocks, micro_batch, stage_recompute)
+            largest = stage_input.setdefault(id(table), max(table.boundary_bytes))
+            mem = memory.need_bytes(state, _kept_bytes(act, largest, micro_batch, S - s, True), table.framework_bytes)
+        fwd, bwd = _phases_s(sum(table.fwd_s[lo:hi]), sum(table.bwd_s[lo:hi]), sum(table.overhead_s[lo:hi]),
+                             micro_batch, stage_recompute)
         if s < S - 1:
-            send, codec = cut_send(links[s], table.boundary_bytes[bounds[s + 1] - 1] * micro_batch,
-                                   element_bytes(table))
+            send, codec = cut_send(links[s], table.boundary_bytes[hi - 1] * micro_batch, element_bytes(table))
             sends.append(send)
             codecs.append(codec)
         mems.append(mem)
-        grads.append(sum(grad_bytes[b] for b in blocks))
+        grads.append(sum(grad_bytes[lo:hi]))
         fwds.append(fwd)
         bwds.append(bwd)
         recomputes.append(stage_recompute)
@@ -236,60 +252,23 @@ def solve_mixed_bounds(lanes: list[Lane], stage_lanes: list[int], micro_batch: i
 
 
 def _bottleneck_bounds(lanes: list[_Lane], S: int, stage_lanes: list[int] | None = None) -> tuple[int, ...] | None:
-    """Exact dynamic programme over (stage, end block), vectorised over the start block:
-    best[s][j] = min_i max(best[s-1][i], cost(i..j-1)) over stages that fit, where cost is the
-    largest scaled stage time (compute, launches, the cut's transfer) over the lanes of that stage
+    """The exact bottleneck partition (planner.search.bottleneck) over these lanes' block costs: the
+    largest scaled stage time (compute, launches, the cut's transfer) over the lanes of each stage
     (`stage_lanes[s]`: one lane per stage; default: every lane on every stage)."""
-    N = len(lanes[0].table.fwd_s)
-    if S > N:
-        return None
-    pre_t, pre_t_rec, cut_t, pre_state, pre_act, stage_input = [], [], [], [], [], []
-    for ln in lanes:
-        t, m = ln.table, ln.micro_batch
-        block_t = np.array([block_time_s(t, b, m, False) for b in range(N)]) * ln.scale
-        block_t_rec = np.array([block_time_s(t, b, m, True) for b in range(N)]) * ln.scale
-        pre_t_rec.append(np.concatenate([[0.0], np.cumsum(block_t_rec)]))
-        # cut_t[s][b]: both transfers of the cut after stage s when block b ends that stage
-        boundary = np.asarray(t.boundary_bytes, dtype=float) * m
-        cut_t.append([_cut_times_s(link, boundary, element_bytes(t)) * ln.scale for link in ln.links])
-        pre_t.append(np.concatenate([[0.0], np.cumsum(block_t)]))
-        pre_state.append(np.concatenate([[0.0], np.cumsum(t.state_bytes)]))
-        pre_act.append(np.concatenate([[0.0], np.cumsum(t.act_bytes)]) * m)
-        stage_input.append(max(t.boundary_bytes) * m)
-    best = np.full((S, N + 1), np.inf)
-    start_of = np.zeros((S, N + 1), dtype=np.int64)
-    for s in range(S):
-        in_flight = S - s
-        for j in range(s + 1, N - (S - 1 - s) + 1):
-            starts = np.arange(s, j) if s else np.array([0])
-            slowest = np.zeros(len(starts))
-            fits = np.ones(len(starts), dtype=bool)
-            for li, ln in enumerate(lanes):
-                if stage_lanes is not None and stage_lanes[s] != li:
-                    continue
-                cut = cut_t[li][s][j - 1] if s < S - 1 else 0.0
-                lane_t = pre_t[li][j] - pre_t[li][starts] + cut
-                act = pre_act[li][j] - pre_act[li][starts]
-                state = pre_state[li][j] - pre_state[li][starts]
-                framework, capacity = ln.table.framework_bytes, ln.table.capacity_bytes
-                lane_fits = memory.fits(memory.need_bytes(state, act * in_flight, framework), capacity)
-                if ln.recompute:   # as costs_per_stage: recompute exactly where plain does not fit
-                    lane_t = np.where(lane_fits, lane_t, pre_t_rec[li][j] - pre_t_rec[li][starts] + cut)
-                    kept = memory.need_bytes(state + act, stage_input[li] * in_flight, framework)  # inputs kept
-                    lane_fits |= memory.fits(kept, capacity)
-                slowest = np.maximum(slowest, lane_t)
-                fits &= lane_fits
-            prev = best[s - 1][starts] if s else np.zeros(1)
-            cand = np.where(fits, np.maximum(prev, slowest), np.inf)
-            # among equal bottlenecks the latest start: earlier stages take the blocks. Under 1F1B
-            # the first micro-batch reaches the slowest stage after the stages before it, and its
-            # gradient drains back through them, so a slow stage costs least at the front.
-            k = len(cand) - 1 - int(np.argmin(cand[::-1]))
-            best[s][j], start_of[s][j] = cand[k], starts[k]
-    if not np.isfinite(best[S - 1][N]):
-        return None
-    bounds = [N]
-    for s in range(S - 1, 0, -1):
-        bounds.append(int(start_of[s][bounds[-1]]))
-    bounds.append(0)
-    return tuple(reversed(bounds))
+    return bottleneck_bounds([_lane_arrays(ln) for ln in lanes], S, stage_lanes)
+
+
+def _lane_arrays(ln: _Lane) -> LaneArrays:
+    t, m = ln.table, ln.micro_batch
+    N = len(t.fwd_s)
+    block_t = np.array([block_time_s(t, b, m, False) for b in range(N)]) * ln.scale
+    block_t_rec = np.array([block_time_s(t, b, m, True) for b in range(N)]) * ln.scale
+    boundary = np.asarray(t.boundary_bytes, dtype=float) * m
+    return LaneArrays(
+        pre_s=np.concatenate([[0.0], np.cumsum(block_t)]),
+        pre_recompute_s=np.concatenate([[0.0], np.cumsum(block_t_rec)]),
+        pre_state_bytes=np.concatenate([[0.0], np.cumsum(t.state_bytes)]),
+        pre_act_bytes=np.concatenate([[0.0], np.cumsum(t.act_bytes)]) * m,
+        cut_s=[_cut_times_s(link, boundary, element_bytes(t)) * ln.scale for link in ln.links],
+        stage_input_bytes=max(t.boundary_bytes) * m, framework_bytes=t.framework_bytes,
+        capacity_bytes=t.capacity_bytes, recompute=ln.recompute)

@@ -8,11 +8,16 @@ slowest stage's: its own group plus each of its tied groups, each a ring all-red
 compression policy, the best compressor the policy allows among those whose state fits every holder
 (costmodel.compression.group_sync_s; the configuration's `stage_compressors`,
 planner.search.compressors): the compressor assembly records for that group.
+
+Splits whose cuts do not nest (the ILP never combines them, planner.search.align; the metis baseline
+may) fragment the groups into a chain that runs one group after another: `chained_sync_end_s` times
+that chain, group by group, as the simulator runs it (the baselines charge it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from costmodel.compression import compression_of, group_sync_s
 from costmodel.tables import CostTables
@@ -126,3 +131,68 @@ def _tied_holders(tables: CostTables, bounds: tuple[int, ...]) -> list[set[int]]
             for h in holders:
                 out[h] |= holders - {h}
     return out
+
+
+@dataclass(frozen=True)
+class SyncLane:
+    """Identical replicas of one split, as the gradient groups of splits that do not nest see them."""
+
+    cls: int
+    bounds: tuple[int, ...]
+    replicas: int
+    ready_s: tuple[float, ...]          # per stage: when its last backward ends (pipeline's clock)
+    allowed: tuple[Collection[str] | None, ...] | None = None   # per stage: Config.stage_compressors
+
+    def allowed_at(self, stage: int) -> Collection[str] | None:
+        """The compressors stage `stage` has the memory for (None: any)."""
+        return self.allowed[stage] if self.allowed is not None else None
+
+
+def chained_sync_end_s(tables: CostTables, lanes: Sequence[SyncLane], link: Link) -> list[list[float]]:
+    """Per lane, per stage: when its last gradient group ends, the groups run as the program issues them.
+
+    Splits whose cuts do not nest (planner.search.align) fragment the groups: one group per set of
+    holders, a run of blocks no lane cuts or a tied parameter over every stage holding it (groups with
+    the same holders are one), issued in the order of their ranks (each lane's ranks in stage order,
+    lanes in the order given), each starting once every member stage is free and holding all of them
+    (backends/sim). So a stage that spans several of another split's stages waits for each in turn.
+    Each group costs what split_sync_s charges a group: a ring all-reduce, or the compressor the policy
+    allows (costmodel.compression.group_sync_s) among those every member has the memory for."""
+    compression = compression_of(tables)
+    named = compression.compresses_gradients
+    stage_of = [[0] * tables.num_blocks for _ in lanes]
+    for li, lane in enumerate(lanes):
+        for s in range(len(lane.bounds) - 1):
+            for b in range(lane.bounds[s], lane.bounds[s + 1]):
+                stage_of[li][b] = s
+    groups: dict[tuple[tuple[int, int], ...], tuple[float, list[str]]] = {}
+
+    def add(members: set[tuple[int, int]], nbytes: float, params: list[str]) -> None:
+        key = tuple(sorted(members))
+        held, names = groups.get(key, (0.0, []))
+        groups[key] = (held + nbytes, names + [p for p in params if p not in names])
+
+    tied_names = compression.tied_params() if named else ()
+    shared: set[str] = set()
+    for i, (blocks, nbytes) in enumerate(tables.tied):
+        name = tied_names[i] if i < len(tied_names) else f"tied.{i}"
+        shared.add(name)
+        add({(li, stage_of[li][b]) for li in range(len(lanes)) for b in blocks}, nbytes, [name] if named else [])
+    cuts = sorted({c for lane in lanes for c in lane.bounds})
+    for lo, hi in zip(cuts, cuts[1:]):
+        own = sum(tables.grad_bytes[lo:hi]) - sum(nbytes for blocks, nbytes in tables.tied for b in blocks
+                                                   if lo <= b < hi)
+        params = [p for b in range(lo, hi) for p in compression.block_params[b] if p not in shared] \
+            if named and compression.block_params else []
+        add({(li, stage_of[li][lo]) for li in range(len(lanes))}, max(own, 0.0), list(dict.fromkeys(params)))
+    free = {(li, s): lane.ready_s[s] for li, lane in enumerate(lanes) for s in range(len(lane.ready_s))}
+    for members, (nbytes, params) in sorted(groups.items()):
+        ranks = sum(lanes[li].replicas for li, _ in members)
+        if ranks <= 1:      # held by one rank: nothing to synchronise
+            continue
+        allowed = group_allowed(lanes[li].allowed_at(s) for li, s in members)
+        duration = group_sync_s(tables, lanes[members[0][0]].cls, params, nbytes, [ranks], link, allowed)[0]
+        end = max(free[m] for m in members) + duration
+        for m in members:
+            free[m] = end
+    return [[free[(li, s)] for s in range(len(lane.ready_s))] for li, lane in enumerate(lanes)]

@@ -1,0 +1,104 @@
+"""Lower bounds on any plan's iteration time at a variant's tables, cheap enough to skip a variant of the
+degree search (planner.search.degrees) before its configurations or its CP-SAT model are built.
+
+Both rest on one fact of every schedule the search offers (1F1B, GPipe: planner.core.schedule): a
+stage is one device doing its micro-batches one after another, and a micro-batch's forward runs stage
+0 to S-1 and its backward S-1 to 0. So stage k cannot start before micro-batch 1's forward has passed
+the stages before it, and after its last backward the gradient still has to pass them back:
+
+    T >= P_k + M * T_k      for every stage k   (T_k: stage k's forward + backward per micro-batch,
+                                                 P_k: the stages before k, M micro-batches)
+
+Over all splits of a pipeline whose stages sum to W, the smallest max_k of the right side has every
+k equal: T_k = c (M-1)^k / M^(k+1), so c = W / (1 - (1 - 1/M)^S) (`pipeline_floor_s`; W at M = 1, the
+closed form's (M + S - 1) W / S never above it). Transfers, the optimizer and the sync only add.
+
+- `pipeline_bound_s`: per device class the floor of every pipeline shape the configurations could have
+  (the stage counts configs.stage_count_options offers where split.fits_greedily says the blocks fit,
+  every micro-batch size and count), each serving min(M m, B) samples on S devices. A plan of time T
+  serves B samples, so sum over classes of devices x the best samples per device among the shapes
+  whose floor is at most T must reach B: the least such T. Where configs offers pipelines across two
+  classes (planner.search.hetero), their depths are bounded with the cheaper class per block and no
+  memory check.
+- `items_bound_s`: the same count over the CP-SAT model's own items (planner.search.ilp.pareto_items:
+  the real pipeline times), once the configurations are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from costmodel.tables import CostTables
+from planner.search import hetero
+from planner.search.candidates import Config
+from planner.search.configs import MIXED_MAX_DEVICES, micro_batch_options, stage_count_options
+from planner.search.pipeline import DEFAULT_MAX_MICRO
+from planner.search.split import block_time_s, fits_greedily
+
+Shape = tuple[float, int, float]     # (time floor s, device class, samples per device)
+
+
+def pipeline_floor_s(work_s: float, num_stages: int, micro_batches: int) -> float:
+    """The least makespan of M micro-batches through S stages whose per-micro-batch times sum to W."""
+    if micro_batches <= 1:
+        return work_s
+    return work_s / (1.0 - (1.0 - 1.0 / micro_batches) ** num_stages)
+
+
+def pipeline_bound_s(tables: CostTables, fixed_stages: int | None = None,
+                     fixed_micro_batch: int | None = None) -> float:
+    """A lower bound on the pipeline time of every plan these tables allow (inf: no shape fits)."""
+    B = tables.global_batch
+    micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(B)
+    shapes: list[Shape] = []
+    held = [ci for ci, c in enumerate(tables.classes) if c.num_devices]
+    offered = {ci: stage_count_options(tables.num_blocks, tables.classes[ci].num_devices,
+                                       tables.classes[ci].per_node, fixed_stages) for ci in held}
+    for m in micro_options:
+        work_s: dict[int, float] = {
+            ci: sum(block_time_s(tables.classes[ci], b, m, False) for b in range(tables.num_blocks)) for ci in held}
+        for ci in held:
+            for S in offered[ci]:
+                if fits_greedily(tables.classes[ci], S, m, True):
+                    shapes.extend(_shapes(ci, work_s[ci], S, m, B))
+    gpus = sum(c.num_devices * c.tp_degree for c in tables.classes)
+    if not shapes or gpus <= MIXED_MAX_DEVICES:      # where configs offers pipelines across two classes
+        for m in micro_options:
+            for first in held:
+                for second in held:
+                    if first == second:
+                        continue
+                    # stages on either class: no faster than the cheaper per block; memory not checked
+                    cheaper_s = sum(min(block_time_s(tables.classes[ci], b, m, False) for ci in (first, second))
+                                    for b in range(tables.num_blocks))
+                    for S in hetero.stage_count_options(tables, first, second):
+                        for ci in (first, second):
+                            shapes.extend(_shapes(ci, cheaper_s, S, m, B))
+    return _least_time_s(tables, shapes)
+
+
+def items_bound_s(tables: CostTables, configs: list[Config], items: Iterable[tuple[int, int, int]]) -> float:
+    """The same bound over the CP-SAT model's items ((configuration, time ns, capacity) each)."""
+    shapes: list[Shape] = []
+    for k, time_ns, capacity in items:
+        classes = configs[k].classes
+        shapes.extend((time_ns / 1e9, ci, capacity / len(classes)) for ci in set(classes))
+    return _least_time_s(tables, shapes)
+
+
+def _shapes(cls: int, work_s: float, num_stages: int, micro_batch: int, global_batch: int) -> Iterable[Shape]:
+    most = min(DEFAULT_MAX_MICRO, -(-global_batch // micro_batch))
+    for M in range(1, most + 1):
+        yield pipeline_floor_s(work_s, num_stages, M), cls, min(M * micro_batch, global_batch) / num_stages
+
+
+def _least_time_s(tables: CostTables, shapes: list[Shape]) -> float:
+    """The least time T at which the classes' devices, each serving the most samples per device of a
+    shape whose time is at most T, serve the global batch (inf if they never do)."""
+    best = [0.0] * len(tables.classes)
+    for time_s, ci, per_device in sorted(shapes):
+        if per_device > best[ci]:
+            best[ci] = per_device
+            if sum(c.num_devices * r for c, r in zip(tables.classes, best)) >= tables.global_batch:
+                return time_s
+    return float("inf")
