@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from costmodel.placeholders import NOTE_PREFIX
 from planner.cli.output_dir import MARKER
 from tests.hostile import CPU4, MLP, assert_one_line, files_under, run_cli
 
@@ -33,7 +34,8 @@ def workdir(tmp_path: Path, monkeypatch) -> Path:
 
 def plan_to(capfd, out: str | Path, *extra: str) -> tuple[int, str]:
     code, _, err = run_cli(capfd, ["models/model.py", "--cluster", "spec.yaml", "-o", out, *FAST, *extra])
-    return code, err
+    # the catalog's placeholder CPU figures are warned about on every plan of this spec: not what is tested here
+    return code, "".join(ln for ln in err.splitlines(keepends=True) if NOTE_PREFIX not in ln)
 
 
 @pytest.mark.parametrize(("out", "words"), [

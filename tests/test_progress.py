@@ -40,6 +40,18 @@ def _read_all(fd: int, proc: subprocess.Popen, timeout_s: float) -> bytes:
     return out
 
 
+def _drain(fd: int) -> bytes:
+    """Everything written to the pseudo-terminal's master `fd` so far: a read returns at most one buffer of it
+    (a busy machine's spinner draws more than one), so read until nothing more comes for a moment."""
+    out = b""
+    while select.select([fd], [], [], 0.2)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def run_on_pty(args: list[str], timeout_s: float = 300) -> tuple[int, str, bytes]:
     """Run `args` with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, terminal bytes)."""
     master, slave = pty.openpty()
@@ -76,7 +88,7 @@ def test_progress_draws_each_phase_on_a_terminal_and_clears_the_line():
             time.sleep(0.05)                  # the spinner turns meanwhile
             progress.phase("search")
         progress.phase("late")                # after close: nothing
-        seen = os.read(master, 65536)
+        seen = _drain(master)
     finally:
         os.close(master)
         os.close(slave)
