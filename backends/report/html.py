@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from backends.report.memory_parts import memory_parts
 from backends.report.svg import MemoryRow, cluster_svg, esc, memory_svg, replica_groups, timeline_svg
-from backends.report.text import GIB, RUNNERS_UP_HEADER, format_time, layout, runners_up_rows
+from backends.report.text import GIB, RUNNERS_UP_HEADER, format_time, layout, runners_up_rows, stage_ranks
 from backends.sim import SimResult
 from planner.core.cluster import ClusterSpec
 from planner.core.ir import Plan
@@ -102,7 +102,7 @@ def _memory_rows(plan: Plan, spec: ClusterSpec | None) -> list[MemoryRow]:
     rows = []
     for group in replica_groups(plan):
         for st in group.first.stages:
-            ranks = str(st.rank) if st.tp_degree == 1 else f"{st.rank}-{st.ranks[-1]} (tp {st.tp_degree})"
+            ranks = stage_ranks(st)
             rows.append(MemoryRow(f"rank {ranks} {st.device_label} ({st.device_type})", group.count * st.tp_degree,
                                   memory_parts(plan, st.rank, spec), plan.estimates.capacity_bytes[st.rank]))
     return sorted(rows, key=lambda r: -sum(r.parts_bytes) / max(r.capacity_bytes, 1.0))

@@ -11,7 +11,7 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backends.report.text import GIB, format_time, printable
+from backends.report.text import GIB, format_time, printable, stage_ranks
 from backends.sim.engine import OPTIMIZER_LABEL, SYNC_LABEL, SimResult, Span
 from planner.core.cluster import ClusterSpec
 from planner.core.ir import Plan, ReplicaPlan
@@ -133,7 +133,7 @@ def timeline_svg(plan: Plan, sim: SimResult) -> str:
         y += ROW_PX + 2
         for st in r.stages:
             # a stage's tensor-parallel shards run alike (one row, its ranks named)
-            ranks = str(st.rank) if st.tp_degree == 1 else f"{st.rank}-{st.ranks[-1]} (tp {st.tp_degree})"
+            ranks = stage_ranks(st)
             parts.append(f'<text x="0" y="{y + 12}" class="lbl">rank {ranks} stage {st.index} '
                          f'{esc(st.device_label)}</text>')
             for sp in by_rank.get(st.rank, []):

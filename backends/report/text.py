@@ -22,7 +22,7 @@ from typing import TextIO
 
 from costmodel.placeholders import noted_device_type
 from planner.core.errors import printable
-from planner.core.ir import Plan
+from planner.core.ir import Plan, StagePlan
 
 __all__ = ["GIB", "NO_PLAN_DEVICES", "RUNNERS_UP_HEADER", "SAME_AS_CHOSEN", "TERMINAL", "format_time", "isatty",
            "layout", "placeholder_lines", "printable", "runners_up_rows", "signed_time", "table",
@@ -132,6 +132,11 @@ def format_time(seconds: float) -> str:
 def signed_time(seconds: float) -> str:
     """A time difference with its sign: `+1.200 ms`, `-3.0 us`."""
     return ("+" if seconds >= 0 else "-") + format_time(abs(seconds))
+
+
+def stage_ranks(stage: StagePlan) -> str:
+    """A stage's ranks as the reports name them: its rank, or its tensor-parallel shards' range and degree."""
+    return str(stage.rank) if stage.tp_degree == 1 else f"{stage.rank}-{stage.ranks[-1]} (tp {stage.tp_degree})"
 
 
 def layout(plan: Plan) -> str:
