@@ -46,9 +46,10 @@ def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micr
 
 
 def framework_bytes(device: DeviceType, calibration: Calibration | None = None) -> float:
-    """Memory a process holds before any model state: measured when `calibration` covers `device`."""
+    """Memory a process holds before any model state: measured when `calibration` covers `device` (on
+    CPU with what the training steps add beyond the profile's measurement, C.CPU_PROGRAM_STEP_BYTES)."""
     if calibration is not None and calibration.matches(device):
-        return calibration.framework_bytes
+        return calibration.framework_bytes + (C.CPU_PROGRAM_STEP_BYTES if calibration.kind == "cpu" else 0.0)
     return C.CPU_FRAMEWORK_OVERHEAD_BYTES if _is_cpu(device) else C.GPU_FRAMEWORK_OVERHEAD_BYTES
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch.fx as fx
 
 from costmodel import compression, compute, host_sharing
-from costmodel.calibration import load_calibration
+from costmodel.calibration import Calibration, load_calibration
 from costmodel.checkpoint import checkpoint_advice
 from costmodel.cost_notes import cost_notes
 from costmodel.tables import CostTables, build_tables
@@ -36,7 +36,7 @@ from passes.comm.inputs import trace_splits, traced_inputs
 from passes.shardings import block_shardings
 from passes.stage_check import check_batch_norm_rows, check_plan_stages, training_notes
 from passes.verify import verify_plan
-from planner import dumps, frontend, runners_up
+from planner import dumps, frontend, own_processes, runners_up
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import HetplanError, PlanningError
@@ -122,6 +122,18 @@ def compression_table(options: PlanOptions, gm: fx.GraphModule, blocks: list[Blo
         kernel_launch_s=tuple(compute.op_overhead_s(g.device) for g in spec.nodes), optimizer=options.optimizer)
 
 
+def cost_tables(options: PlanOptions, gm: fx.GraphModule, blocks: list[Block], spec: ClusterSpec,
+                calibration: Calibration | None, trace_batch: int = DEFAULT_TRACE_BATCH) -> CostTables:
+    """The cost tables the search reads: compute, memory and links per device class (costmodel.tables),
+    the compression policies' costs, and what tensor parallelism splits per block (passes.tensor_parallel's
+    pairs, priced per degree in the search)."""
+    tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=trace_batch,
+                          precision_policy=options.precision, memory_margin=options.memory_margin,
+                          calibration=calibration)
+    tables = compression.with_compression(tables, compression_table(options, gm, blocks, spec))
+    return dataclasses.replace(tables, shardings=block_shardings(gm, blocks))
+
+
 def _baselines(options: PlanOptions, controls: RunControls, tables: CostTables, blocks: list[Block],
                spec: ClusterSpec, inputs: PlanInputs) -> list[tuple[str, Plan]]:
     """Every baseline strategy's plan that fits (for the runners-up), unless one was asked for."""
@@ -163,12 +175,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
     blocks: list[Block] = gm.meta[BLOCKS_KEY]
 
     with timer.phase("cost_s"):
-        tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=trace_batch,
-                              precision_policy=options.precision, memory_margin=options.memory_margin,
-                              calibration=calibration)
-        tables = compression.with_compression(tables, compression_table(options, gm, blocks, spec))
-        # what tensor parallelism splits per block (passes.tensor_parallel's pairs); priced per degree in the search
-        tables = dataclasses.replace(tables, shardings=block_shardings(gm, blocks))
+        tables = cost_tables(options, gm, blocks, spec, calibration, trace_batch)
     search_options = options.search_options(controls)
     if controls.dump_ir_dir is not None:
         _dump_problem(controls.dump_ir_dir, tables, search_options)
@@ -182,9 +189,17 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         model_input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
         lost_devices=spec.lost)
 
+    def search(on: ClusterSpec, costed: CostTables) -> tuple[Plan, list[tuple[str, Plan]]]:
+        return strategies.run_with_alternatives(options.strategy, tables=costed, blocks=blocks, spec=on,
+                                                inputs=inputs, options=search_options)
+
     with timer.phase("search_s"), frozen_heap():
-        result, alternatives = strategies.run_with_alternatives(options.strategy, tables=tables, blocks=blocks,
-                                                                spec=spec, inputs=inputs, options=search_options)
+        result, alternatives = search(spec, tables)
+        # a CPU plan that leaves devices idle is planned again priced for the processes it runs
+        priced = own_processes.priced_for_own(
+            result, alternatives, spec, calibration, search=search,
+            cost=lambda on, cal: cost_tables(options, gm, blocks, on, cal, trace_batch))
+        result, alternatives, calibration = priced.plan, priced.alternatives, priced.calibration
     verify_plan(result, spec)
     if isinstance(model_file, frontend.ModelFile):   # an .onnx graph is cost-only: no program communicates
         with timer.phase("comm_s"), frozen_heap():

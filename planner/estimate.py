@@ -21,15 +21,14 @@ from typing import Any
 import torch.fx as fx
 
 from backends.sim import SimResult, simulate_plan
-from costmodel import compression, host_sharing
+from costmodel import host_sharing
 from costmodel.calibration import Calibration, load_calibration
 from costmodel.checkpoint import checkpoint_advice
 from costmodel.cost_notes import cost_notes
-from costmodel.tables import CostTables, build_tables
+from costmodel.tables import CostTables
 from passes.blocks import BLOCKS_KEY
 from passes.comm import verify_comm
 from passes.comm.inputs import trace_splits, traced_inputs
-from passes.shardings import block_shardings
 from passes.stage_check import check_batch_norm_rows, check_plan_stages, training_notes
 from passes.verify import verify_plan
 from planner import api, frontend
@@ -111,11 +110,7 @@ def prepare(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanO
         passes = api.analyse(gm, meta_inputs, options.max_blocks)
     blocks = gm.meta[BLOCKS_KEY]
     with timer.phase("cost_s"):
-        tables = build_tables(blocks, spec, global_batch=options.global_batch, trace_batch=api.DEFAULT_TRACE_BATCH,
-                              precision_policy=options.precision, memory_margin=options.memory_margin,
-                              calibration=calibration)
-        tables = compression.with_compression(tables, api.compression_table(options, gm, blocks, spec))
-        tables = dataclasses.replace(tables, shardings=block_shardings(gm, blocks))
+        tables = api.cost_tables(options, gm, blocks, spec, calibration)
     return Prepared(spec, model_file, gm, blocks, tables, timer, dict(passes.timings_s), calibration)
 
 
@@ -128,16 +123,14 @@ def estimate(model: str | Path, cluster: str | Path | ClusterSpec, layout: Layou
 def estimate_prepared(prepared: Prepared, layout: Layout, options: PlanOptions) -> EstimateResult:
     """`estimate` on a model already traced and costed at `options` (`prepare`)."""
     p, timer = prepared, prepared.timer
+    inputs = _inputs(p.model_file.path, p.model_file.digest, p.spec, options, p.gm)
     with timer.phase("search_s"):
-        built = given.build(layout, p.tables, p.blocks)
-        inputs = _inputs(p.model_file.path, p.model_file.digest, p.spec, options, p.gm)
-        try:
-            planned = assemble(solution=built.solution, tables=built.tables, blocks=p.blocks, spec=p.spec,
-                               inputs=inputs, strategy=STRATEGY)
-        except PlanningError as exc:
-            raise PlanningError(f"the layout's pipelines cannot be placed on the nodes: {exc.message}",
-                                file=layout.source, field="replicas.devices",
-                                fix="give each replica at most one node's devices, or whole nodes") from exc
+        built, planned = _build(p, p.tables, layout, inputs)
+        runs = host_sharing.plan_host_processes(planned, p.spec, p.calibration) if p.calibration else 0
+        if p.calibration is not None and p.calibration.kind == "cpu" and runs != p.calibration.priced_processes:
+            # CPU compute priced for the processes this layout runs on the host, not the spec's
+            p = dataclasses.replace(p, calibration=host_sharing.priced_for(p.calibration, runs))
+            built, planned = _build(p, api.cost_tables(options, p.gm, p.blocks, p.spec, p.calibration), layout, inputs)
     overs = given.overs(planned)
     try:
         verify_plan(planned, p.spec)     # every invariant; memory, checked last, is what `overs` reports
@@ -163,6 +156,18 @@ def estimate_prepared(prepared: Prepared, layout: Layout, options: PlanOptions) 
                                   activation_compression=options.activation_compression,
                                   precision=options.precision, memory_margin=options.memory_margin)
     return EstimateResult(planned, simulation, overs, result, spelled)
+
+
+def _build(p: Prepared, tables: CostTables, layout: Layout, inputs: PlanInputs) -> tuple[given.Given, Plan]:
+    """The layout built into the search's records with `tables`, and assembled into a plan."""
+    built = given.build(layout, tables, p.blocks)
+    try:
+        return built, assemble(solution=built.solution, tables=built.tables, blocks=p.blocks, spec=p.spec,
+                               inputs=inputs, strategy=STRATEGY)
+    except PlanningError as exc:
+        raise PlanningError(f"the layout's pipelines cannot be placed on the nodes: {exc.message}",
+                            file=layout.source, field="replicas.devices",
+                            fix="give each replica at most one node's devices, or whole nodes") from exc
 
 
 def _inputs(model: str | Path, digest: str, spec: ClusterSpec, options: PlanOptions, gm: fx.GraphModule) -> PlanInputs:

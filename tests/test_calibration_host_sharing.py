@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,9 @@ from costmodel.host_sharing import contention_factor, for_spec, host_processes, 
 from costmodel.tables import build_tables
 from planner import frontend
 from planner.api import DEFAULT_TRACE_BATCH, PlanOptions, RunControls, plan, trace_model_file
+from planner.estimate import estimate, merge_options
 from planner.frontend.cluster import load_cluster
+from planner.frontend.layout import load_layout
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli
 from tests.test_calibration import synthetic
 
@@ -126,3 +129,59 @@ def test_plan_prices_the_calibration_for_the_spec(mlp_blocks, specs, tmp_path):
     table = result.tables.classes[0]
     as_profiled = _compute_s(mlp_blocks, specs[2], parse_calibration(_doc(4, 2, 2.0)))
     assert sum(table.fwd_s) + sum(table.bwd_s) + sum(table.overhead_s) == pytest.approx(as_profiled / 2)
+
+
+def _three(tmp_path) -> Path:
+    """A 3-process loopback spec: two cpu-a devices on one node, a slower cpu-b on another."""
+    three = tmp_path / "three.yaml"
+    three.write_text(TWO.replace("cpu-2", "cpu-3").replace(
+        "  - {name: cpu, count: 1, device: cpu-a, per_node: 2, intra_link: shm}",
+        "  - {name: cpu, count: 1, device: cpu-a, per_node: 2, intra_link: shm}\n"
+        "  - {name: slow, count: 1, device: cpu-b, per_node: 1, intra_link: shm}").replace(
+        "  cpu-a: {base: CPU, slowdown: 1.0}",
+        "  cpu-a: {base: CPU, slowdown: 1.0}\n  cpu-b: {base: CPU, slowdown: 3.0}"))
+    return three
+
+
+def test_a_plan_leaving_devices_idle_is_priced_for_the_processes_it_runs(specs, tmp_path):
+    """The `fastest` baseline on cpu-4 (synthetic profile of 4 workers on 2 cores) runs on 2 of its 4
+    devices: its estimate is the one of the same plan made on a 2-device spec, not the 4-process price
+    the search first gave it, and it says nothing about being priced for another count."""
+    cal_file = tmp_path / "cal.json"
+    cal_file.write_text(json.dumps(_doc(4, 2, 2.0)))
+    three = _three(tmp_path)      # 3 processes: the fastest devices are the 2 of the first node
+    options = PlanOptions(global_batch=16, runners_up=False, calibration=str(cal_file), strategy="fastest",
+                          stages=1)
+    idle = plan(MLP, load_cluster(three), options, RunControls()).plan
+    alone = plan(MLP, specs[2], options, RunControls()).plan
+    assert idle.world_size == alone.world_size == 2
+    assert idle.estimates.iteration_s == pytest.approx(alone.estimates.iteration_s, rel=1e-9)
+    assert not any("priced for" in w for w in idle.warnings)
+    # its stages name the devices of the whole spec (indices by label), as every plan of it does
+    devices = {d.label: d.index for d in load_cluster(three).devices()}
+    assert all(devices[s.device_label] == s.device for r in idle.replicas for s in r.stages)
+    # priced at the spec's 3 processes (factor 1.5) it would have been slower
+    at_three = for_spec(parse_calibration(_doc(4, 2, 2.0)), load_cluster(three))
+    assert at_three.contention_factor == pytest.approx(1.5)
+
+
+def test_an_all_device_plan_is_priced_once(specs, tmp_path):
+    cal_file = tmp_path / "cal.json"
+    cal_file.write_text(json.dumps(_doc(4, 2, 2.0)))
+    result = plan(MLP, specs[4], PlanOptions(global_batch=16, runners_up=False, calibration=str(cal_file),
+                                            use_all_devices=True), RunControls())
+    assert result.plan.world_size == 4 and not any("priced for" in w for w in result.plan.warnings)
+
+
+def test_a_given_layout_on_part_of_the_spec_is_priced_for_its_processes(specs, tmp_path):
+    """`plan estimate --layout` of 2 replicas on the 2 cpu-a devices of the 3-device spec estimates what
+    the same layout does on the 2-device spec: priced for the 2 processes it runs."""
+    cal_file = tmp_path / "cal.json"
+    cal_file.write_text(json.dumps(_doc(4, 2, 2.0)))
+    options = PlanOptions(global_batch=16, calibration=str(cal_file))
+    layout = load_layout("dp=2,tp=1,pp=1,mb=8")
+    part = estimate(MLP, load_cluster(_three(tmp_path)), layout, merge_options(layout, options, set())).plan
+    whole = estimate(MLP, specs[2], layout, merge_options(layout, options, set())).plan
+    assert part.world_size == whole.world_size == 2
+    assert part.estimates.iteration_s == pytest.approx(whole.estimates.iteration_s, rel=1e-9)
+    assert not any("priced for" in w for w in part.warnings)

@@ -61,9 +61,10 @@ def describe(device: torch.device) -> tuple[str, str]:
 
 
 def _framework_bytes() -> float:
-    """Peak memory after what every emitted program does before its model: import the runtime and
-    trace (torch.export) a model; a small one here, so the figure is the framework's own."""
-    from backends.torchdist.program import pipeline  # noqa: F401  (the import is the measurement)
+    """Peak memory after what every emitted program does before its model: import the runtime (its entry,
+    train, and with it every unit it may run: checkpoints, tensor parallelism, ZeRO) and trace
+    (torch.export) a model; a small one here, so the figure is the framework's own."""
+    from backends.torchdist.program import train  # noqa: F401  (the import is the measurement)
     from planner import frontend
 
     small = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))

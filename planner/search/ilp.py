@@ -18,10 +18,19 @@ fixed time and capacity (only the Pareto frontier per pipeline shape), replicas 
 integer, and T_pipe is a staircase over the items' times: all linear. Two regimes are solved:
 replicas spread over nodes (sync on the network) and all replicas in one node (sync on the
 intra-node link); the better one wins.
+
+Each regime without a cutoff is solved twice, small then large (`solve_bounded`): first on a coarser
+frontier of its items (capacities 1/COARSE_STEP_FRACTION apart, a fraction of them), whose plan is one
+of the full model's and so an upper bound U on its optimum; then, starting from that plan (a hint), on
+the full frontier less every item slower than U, which no plan faster than U can use (T_pipe is at
+least each used item's time). The optimum is the full model's, at a fraction of its solve (at 1024 GPUs
+over half the items are slower than the coarse plan). Under a cutoff (the best time of another variant)
+the items slower than it are dropped alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -38,6 +47,8 @@ from planner.search.sync import split_sync_s
 # Replica capacities closer than 1/64 apart are one choice (bounds the model's size at large batches;
 # costs at most ~1.6% of a replica's time, and none below 64 samples).
 CAPACITY_STEP_FRACTION = 64
+# The coarse frontier that bounds the full one (`solve_bounded`); used where it has at most half the items.
+COARSE_STEP_FRACTION = 8
 
 
 @dataclass(frozen=True)
@@ -50,31 +61,39 @@ class Item:
     capacity: int
 
 
-def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256) -> list[Item]:
-    """Per (replica shape, split): the (time, samples) frontier over micro-batch size and count.
+def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256,
+                 step_fraction: int = CAPACITY_STEP_FRACTION) -> list[Item]:
+    """Per (replica shape, split): the (time, samples) frontier over micro-batch size and count, in
+    capacity steps of at least 1/`step_fraction`.
 
     A replica shape that is slower and serves no more samples than another one on the same
     devices with the same cuts is never better, so only the frontier enters the model (cuts are
     kept apart: which splits combine is constrained, planner.search.align).
     """
     B = tables.global_batch
+    every = [Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
+             for k, c in enumerate(configs) for M in c.micro_batch_counts(B, max_micro)]
+    return frontier(every, configs, step_fraction)
+
+
+def frontier(items: list[Item], configs: list[Config], step_fraction: int) -> list[Item]:
+    """The items on each (replica shape, split)'s (time, samples) frontier, capacities at least
+    1/`step_fraction` apart above `step_fraction` samples (the excess is trimmed later), and always the
+    largest capacity (one replica may have to serve the whole batch). Of a frontier, a coarser one."""
     by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Item]] = {}
-    for k, c in enumerate(configs):
-        for M in c.micro_batch_counts(B, max_micro):
-            item = Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
-            by_shape.setdefault((c.shape, c.split.bounds), []).append(item)
-    items: list[Item] = []
+    for item in items:
+        c = configs[item.config]
+        by_shape.setdefault((c.shape, c.split.bounds), []).append(item)
+    out: list[Item] = []
     for key in sorted(by_shape):
         best = 0
-        frontier = sorted(by_shape[key], key=lambda i: (i.time_ns, -i.capacity, i.config))
-        most = max(i.capacity for i in frontier)
-        for item in frontier:
-            # frontier only; above 64 samples keep steps of >= 1/64 (the excess is trimmed later),
-            # and always the largest capacity (one replica may have to serve the whole batch)
-            if item.capacity > best + best // CAPACITY_STEP_FRACTION or (item.capacity == most > best):
+        ordered = sorted(by_shape[key], key=lambda i: (i.time_ns, -i.capacity, i.config))
+        most = max(i.capacity for i in ordered)
+        for item in ordered:
+            if item.capacity > best + best // step_fraction or (item.capacity == most > best):
                 best = item.capacity
-                items.append(item)
-    return items
+                out.append(item)
+    return out
 
 
 def sync_key(config: Config) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]:
@@ -94,7 +113,7 @@ def replica_grid(max_replicas: int) -> list[int]:
 def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
                  settings: SolverSettings, use_all_devices: bool = False,
                  max_time_ns: int | None = None, min_replicas: int = 1,
-                 cutoff_ns: int | None = None) -> Solution | None:
+                 cutoff_ns: int | None = None, hint: Solution | None = None) -> Solution | None:
     """Minimise pipeline time + gradient sync; `one_node` keeps all replicas inside one node.
     With `max_time_ns`: minimise the price per hour of the devices used, the time at most that.
     At least `min_replicas` replicas (a ZeRO variant's group, costmodel.sharded_state). With `cutoff_ns`
@@ -194,6 +213,10 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
         model.minimize(sum(n[i] * sum(round(100 * (tables.classes[ci].price_per_hour or 0.0))
                                       for ci in configs[it.config].classes) for i, it in enumerate(items)))
 
+    if hint is not None:     # a plan of these items to start from (solve_bounded: the coarse one)
+        chosen = {(id(c.config), c.share): c.replicas for c in hint.choices}
+        for i, item in enumerate(items):
+            model.add_hint(n[i], chosen.get((id(configs[item.config]), item.capacity), 0))
     name = ("one-node" if one_node else "spread") + ("" if max_time_ns is None else f"-within-{max_time_ns}ns")
     solver, status = solve_model(model, settings, name)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -225,7 +248,32 @@ def solve_regimes(tables: CostTables, configs: list[Config], settings: SolverSet
         return []
     regimes = [False] if use_all_devices else [False, True]
     cutoff_ns = None if cutoff_s is None or cutoff_s == float("inf") else to_ns(cutoff_s)
-    found = [s for s in (solve_regime(tables, configs, items, one, settings, use_all_devices,
-                                      min_replicas=min_replicas, cutoff_ns=cutoff_ns)
+    found = [s for s in (solve_bounded(tables, configs, items, one, settings, use_all_devices,
+                                       min_replicas=min_replicas, cutoff_ns=cutoff_ns)
                          for one in regimes) if s is not None]
     return sorted(found, key=lambda s: (s.objective_s, s.one_node))
+
+
+def solve_bounded(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
+                  settings: SolverSettings, use_all_devices: bool = False, min_replicas: int = 1,
+                  cutoff_ns: int | None = None) -> Solution | None:
+    """`solve_regime` on `items`, bounded first by the plan of the coarse frontier (module docstring):
+    the same optimum, the model solved at the end holding only the items that could be in it."""
+    coarse = frontier(items, configs, COARSE_STEP_FRACTION)     # of the items: its plan is one of theirs
+    kept = [i for i in items if cutoff_ns is None or i.time_ns <= cutoff_ns]
+    # under a cutoff (another variant's best) the items are bounded by it already, and a variant that
+    # cannot beat it would be proved so twice; a coarse frontier not under half the items saves nothing
+    first = None
+    if cutoff_ns is None and 2 * len(coarse) <= len(kept):
+        first = solve_regime(tables, configs, coarse, one_node, settings, use_all_devices,
+                             min_replicas=min_replicas)
+    if first is None:
+        found = solve_regime(tables, configs, kept, one_node, settings, use_all_devices,
+                             min_replicas=min_replicas, cutoff_ns=cutoff_ns)
+    else:
+        bound_ns = to_ns(first.objective_s)
+        found = solve_regime(tables, configs, [i for i in kept if i.time_ns <= bound_ns], one_node, settings,
+                             use_all_devices, min_replicas=min_replicas, cutoff_ns=bound_ns, hint=first)
+        found = found if found is not None and found.objective_s <= first.objective_s else first
+    # the model's size as the search offered it (the items before any bound)
+    return None if found is None else dataclasses.replace(found, configurations=len(items))

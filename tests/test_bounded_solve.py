@@ -1,0 +1,57 @@
+"""The two-step solve of a regime (planner.search.ilp.solve_bounded): the coarse frontier's plan bounds
+the full model, which then drops every item slower than it. On random heterogeneous instances at batches
+large enough for the coarse frontier to be under half the items, it reaches the optimum of the full model
+solved whole, in both regimes and under a cutoff."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from planner.search import ilp
+from planner.search.configs import build_configs
+from planner.search.solver import DEFAULT_SETTINGS
+from tests import test_enumerate
+
+NS_S = 1e-9
+SEEDS = range(24)
+
+
+def _instance(seed: int):
+    tabs = dataclasses.replace(test_enumerate.instance(seed), global_batch=random.Random(seed).choice([256, 512, 1024]))
+    return tabs, build_configs(tabs)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_bounded_solve_reaches_the_whole_models_optimum(seed):
+    tabs, configs = _instance(seed)
+    if not configs:
+        return
+    items = ilp.pareto_items(tabs, configs)
+    for one_node in (False, True):
+        whole = ilp.solve_regime(tabs, configs, items, one_node, DEFAULT_SETTINGS)
+        bounded = ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS)
+        assert (whole is None) == (bounded is None)
+        if whole is None:
+            continue
+        assert abs(bounded.objective_s - whole.objective_s) <= NS_S, (seed, one_node)
+        assert bounded.status == whole.status == "OPTIMAL"
+        assert bounded.configurations == len(items)
+        # under a cutoff just above the optimum it is found; just below it, none is
+        cut = ilp.to_ns(bounded.objective_s)
+        assert ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, cutoff_ns=cut) is not None
+        below = ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, cutoff_ns=cut - 1000)
+        assert below is None
+
+
+def test_the_coarse_step_is_taken_on_most_instances():
+    """Not vacuous: on most instances the coarse frontier holds at most half the items, so the bound is used."""
+    taken = 0
+    for seed in SEEDS:
+        tabs, configs = _instance(seed)
+        if configs:
+            items = ilp.pareto_items(tabs, configs)
+            taken += 2 * len(ilp.frontier(items, configs, ilp.COARSE_STEP_FRACTION)) <= len(items)
+    assert taken >= len(SEEDS) // 2, taken
