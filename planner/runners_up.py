@@ -104,7 +104,7 @@ def with_runners_up(plan: Plan, alternatives: list[tuple[str, Plan]], spec: Clus
                     first: FirstTries | None = None) -> Plan:
     """`plan` with its simulated time and the alternatives ranked by simulated time in its facts (then the
     first tries that have no plan, each saying why)."""
-    chosen_s = simulate_plan(plan, spec).iteration_s
+    chosen_s = simulate_plan(plan, spec, timeline=False).iteration_s
 
     def runner_up(name: str, other: Plan, other_s: float, why: str) -> RunnerUp:
         return RunnerUp(name=name, estimated_iteration_s=other.estimates.iteration_s, simulated_iteration_s=other_s,
@@ -113,7 +113,7 @@ def with_runners_up(plan: Plan, alternatives: list[tuple[str, Plan]], spec: Clus
 
     ups = []
     for name, other in alternatives:
-        other_s = simulate_plan(other, spec).iteration_s
+        other_s = simulate_plan(other, spec, timeline=False).iteration_s
         ups.append(runner_up(name, other, other_s, why_slower(plan, chosen_s, other, other_s)))
     first = first or FirstTries()
     outside = held_to(plan)
@@ -121,7 +121,7 @@ def with_runners_up(plan: Plan, alternatives: list[tuple[str, Plan]], spec: Clus
         if same_plan(plan, other):     # shown in the chosen row, not as a duplicate of it
             ups.append(runner_up(name, plan, chosen_s, SAME_AS_CHOSEN))
             continue
-        other_s = simulate_plan(other, spec).iteration_s
+        other_s = simulate_plan(other, spec, timeline=False).iteration_s
         ups.append(runner_up(name, other, other_s, why_slower(plan, chosen_s, other, other_s, outside)))
     ups.sort(key=lambda u: (u.simulated_iteration_s, u.name))
     ups += [RunnerUp(name=name, estimated_iteration_s=0.0, simulated_iteration_s=0.0, pipeline_s=0.0, sync_s=0.0,

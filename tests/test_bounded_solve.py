@@ -1,7 +1,7 @@
 """The two-step solve of a regime (planner.search.ilp.solve_bounded): the coarse frontier's plan bounds
 the full model, which then drops every item slower than it. On random heterogeneous instances at batches
-large enough for the coarse frontier to be under half the items, it reaches the optimum of the full model
-solved whole, in both regimes and under a cutoff."""
+of 128 and 256 (large enough for the coarse frontier to drop items, small enough to solve whole in CI), it
+reaches the optimum of the full model solved whole, in both regimes and under a cutoff."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ SEEDS = range(24)
 
 
 def _instance(seed: int):
-    tabs = dataclasses.replace(test_enumerate.instance(seed), global_batch=random.Random(seed).choice([256, 512, 1024]))
+    tabs = dataclasses.replace(test_enumerate.instance(seed), global_batch=random.Random(seed).choice([128, 256]))
     return tabs, build_configs(tabs)
 
 

@@ -202,3 +202,8 @@ def test_simulated_ilp_plan_agrees_with_its_estimate(cluster, stages):
     estimates = result.plan.estimates
     assert sim.iteration_s == pytest.approx(estimates.iteration_s, rel=EST_TOLERANCE)
     assert sim.busy_s == pytest.approx(estimates.busy_s, rel=EST_TOLERANCE)
+    # without the timeline (the runners-up's use): the same times, to the bit, and no spans
+    bare = simulate_plan(result.plan, result.cluster, timeline=False)
+    assert (bare.iteration_s, bare.pipeline_s, bare.busy_s, bare.bubble_fraction) == (
+        sim.iteration_s, sim.pipeline_s, sim.busy_s, sim.bubble_fraction)
+    assert bare.timeline == () and sim.timeline

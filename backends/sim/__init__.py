@@ -13,9 +13,10 @@ from planner.core.cluster import ClusterSpec
 from planner.core.ir import Plan
 
 
-def simulate_plan(plan: Plan, spec: ClusterSpec) -> SimResult:
-    """Simulate one iteration of `plan` on the cluster `spec` it was planned for."""
-    return simulate(from_plan(plan, spec))
+def simulate_plan(plan: Plan, spec: ClusterSpec, timeline: bool = True) -> SimResult:
+    """Simulate one iteration of `plan` on the cluster `spec` it was planned for (without `timeline`:
+    its times only, no spans to draw)."""
+    return simulate(from_plan(plan, spec), timeline)
 
 
 __all__ = ["ReplicaWork", "SimInput", "SimResult", "Span", "StageWork", "SyncWork", "from_plan",

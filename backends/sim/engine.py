@@ -48,17 +48,18 @@ class SimResult:
 _Timeline = tuple[list[Span], list[float], list[float]]   # spans by stage index; busy, end per stage
 
 
-def _run_replica(rep: ReplicaWork, spans: list[Span], busy: list[float],
+def _run_replica(rep: ReplicaWork, spans: list[Span] | None, busy: list[float],
                  seen: dict[tuple, _Timeline]) -> dict[int, float]:
-    """Simulate one replica's pipeline, adding compute time to `busy`; returns each rank's time
-    of its last action. Replicas with the same work (common: many copies of one shape) are
-    simulated once (`seen`) and the timeline is given to each one's ranks."""
+    """Simulate one replica's pipeline, adding compute time to `busy` (and its spans to `spans`, unless
+    None); returns each rank's time of its last action. Replicas with the same work (common: many copies
+    of one shape) are simulated once (`seen`) and the timeline is given to each one's ranks."""
     key = (rep.schedule, tuple((w.fwd_s, w.bwd_s, w.send_fwd_s, w.send_bwd_s) for w in rep.stages))
     if key not in seen:
         seen[key] = _timeline(rep)
     local, stage_busy, stage_end = seen[key]
     ranks = [w.rank for w in rep.stages]
-    spans.extend(Span(ranks[sp.rank], sp.label, sp.start_s, sp.end_s) for sp in local)
+    if spans is not None:
+        spans.extend(Span(ranks[sp.rank], sp.label, sp.start_s, sp.end_s) for sp in local)
     for s, r in enumerate(ranks):
         busy[r] += stage_busy[s]
     return {r: stage_end[s] for s, r in enumerate(ranks)}
@@ -115,14 +116,15 @@ def _timeline(rep: ReplicaWork) -> _Timeline:
     return spans, busy, free
 
 
-def simulate(inp: SimInput) -> SimResult:
-    """Simulate one iteration: pipelines, then gradient groups, then optimizer steps."""
+def simulate(inp: SimInput, timeline: bool = True) -> SimResult:
+    """Simulate one iteration: pipelines, then gradient groups, then optimizer steps. Without `timeline`
+    the result's timeline is empty (the times are the same: the spans are only recorded, for a chart)."""
     spans: list[Span] = []
     busy = [0.0] * inp.world_size
     free: dict[int, float] = {}
     seen: dict[tuple, _Timeline] = {}
     for rep in inp.replicas:
-        free.update(_run_replica(rep, spans, busy, seen))
+        free.update(_run_replica(rep, spans if timeline else None, busy, seen))
     pipeline_s = max(free.values(), default=0.0)
     for sync in sorted(inp.syncs, key=lambda g: g.group):
         members = [r for r in sync.ranks if r in free]
@@ -131,18 +133,20 @@ def simulate(inp: SimInput) -> SimResult:
         start = max(free[r] for r in members)
         end = start + sync.duration_s
         for r in members:
-            spans.append(Span(r, f"{SYNC_LABEL}{sync.group}", start, end))
+            if timeline:
+                spans.append(Span(r, f"{SYNC_LABEL}{sync.group}", start, end))
             free[r] = end
     for rep in inp.replicas:
         for st in rep.stages:
             start = free[st.rank]
             free[st.rank] = start + st.optimizer_s
-            spans.append(Span(st.rank, OPTIMIZER_LABEL, start, free[st.rank]))
+            if timeline:
+                spans.append(Span(st.rank, OPTIMIZER_LABEL, start, free[st.rank]))
     iteration_s = max(free.values(), default=0.0)
     ranks = len(free)
     bubble = 1.0 - sum(busy) / (ranks * iteration_s) if iteration_s > 0 and ranks else 0.0
-    timeline = tuple(sorted(spans, key=lambda sp: (sp.rank, sp.start_s, sp.end_s, sp.label)))
+    ordered = tuple(sorted(spans, key=lambda sp: (sp.rank, sp.start_s, sp.end_s, sp.label)))
     return SimResult(
         iteration_s=iteration_s,
         throughput_samples_s=inp.global_batch / iteration_s if iteration_s > 0 else 0.0,
-        pipeline_s=pipeline_s, busy_s=tuple(busy), bubble_fraction=max(bubble, 0.0), timeline=timeline)
+        pipeline_s=pipeline_s, busy_s=tuple(busy), bubble_fraction=max(bubble, 0.0), timeline=ordered)
