@@ -30,7 +30,7 @@ from passes.comm.events import CommEvent, digest, message_tag
 from passes.comm.inputs import SplitView, StreamInputs, from_record, to_record, trace_inputs
 from passes.comm.simulate import check_streams, format_grid
 from planner.core.comm_records import CommRecord
-from planner.core.frozen_heap import frozen_heap
+from planner.core.frozen_heap import collector_paused, frozen_heap
 from planner.core.ir import Plan
 
 __all__ = ["CommEvent", "Derivation", "Schedules", "SplitView", "StreamInputs", "Variant", "check_streams", "digest",
@@ -45,7 +45,7 @@ def verify_comm(plan: Plan, inputs: StreamInputs, schedules: Schedules | None = 
     The part every variant shares runs once, then each variant's rest (derive.rank_parts: each part
     completes on its own or not at all, so this equals running every variant's whole streams)."""
     runs = variants(plan)
-    with frozen_heap():                                   # 10^5 events: the collector skips the old heap
+    with frozen_heap(), collector_paused():               # 10^6 events: no collection walks them
         derivation = Derivation(plan, inputs, schedules)  # what ranks share, made once
         parts = [derivation.parts(rank, runs) for rank in range(plan.world_size)]
         check_streams([common for common, _ in parts], COMMON)

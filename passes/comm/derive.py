@@ -163,6 +163,7 @@ class Derivation:
         self._flats: dict[int, tuple[int, str]] = {}                    # group index -> flat all-reduce
         self._bucket_sizes: dict[int, list[int]] = {}                   # group index -> bucket elements
         self._tails: dict[tuple[tuple[int, ...], Variant], tuple[list[tuple[object, ...]], str]] = {}
+        self._action_rows: dict[tuple[int, int], list[tuple[str, int, str, int]]] = {}
         self._setup_hash = hashlib.sha256(f"# {COMMON}\n{stream_text(self.setup)}".encode())
 
     def parts(self, rank: int, of: Sequence[Variant]) -> tuple[list[CommEvent], dict[Variant, list[CommEvent]]]:
@@ -247,19 +248,30 @@ class Derivation:
     def _pipeline(self, rank: int) -> list[CommEvent]:
         replica, stage = self.where[rank]
         lane = stage.ranks.index(rank)
-        plans: dict[int, dict[str, list[_Message]]] = {}     # micro-batch rows -> the messages of F and B
+        # micro-batch rows -> F and B messages: kind, peer, value index, backward, values, the event's rest
+        plans: dict[int, dict[str, list[tuple[str, int, int, bool, int, tuple[object, ...]]]]] = {}
         out: list[CommEvent] = []
-        sizes = replica.micro_batch_sizes
-        for action in self.schedules(replica.index)[stage.index]:
-            rows = sizes[action.micro]
+        new = tuple.__new__               # as _for_rank: some 10^6 events, CommEvent._make's checks left out
+        for label, micro, kind, rows in self._actions(replica, stage.index):
             if rows not in plans:
-                plans[rows] = self._messages(replica.index, stage.index, self.inputs.split(replica.index, rows), lane)
-            label = str(action)
-            for m in plans[rows][action.kind]:
-                out.append(CommEvent(m.kind, rank, label, m.peer, message_tag(action.micro, m.index, m.backward,
-                                                                              m.num_values),
-                                     m.codec, "", (), "", m.shape, m.dtype, m.nbytes))
+                view = self.inputs.split(replica.index, rows)
+                plans[rows] = {k: [(m.kind, m.peer, m.index, m.backward, m.num_values,
+                                    (m.codec, "", (), "", m.shape, m.dtype, m.nbytes)) for m in ms]
+                               for k, ms in self._messages(replica.index, stage.index, view, lane).items()}
+            for m_kind, peer, index, backward, num_values, rest in plans[rows][kind]:
+                tag = message_tag(micro, index, backward, num_values)
+                out.append(new(CommEvent, (m_kind, rank, label, peer, tag) + rest))
         return out
+
+    def _actions(self, replica: ReplicaPlan, stage: int) -> list[tuple[str, int, str, int]]:
+        """Stage `stage`'s schedule as (label, micro-batch, kind, its rows), made once per stage of a
+        replica (every lane of the stage runs it)."""
+        key = (replica.index, stage)
+        if key not in self._action_rows:
+            sizes = replica.micro_batch_sizes
+            self._action_rows[key] = [(str(a), a.micro, a.kind, sizes[a.micro])
+                                      for a in self.schedules(replica.index)[stage]]
+        return self._action_rows[key]
 
     def _messages(self, replica_index: int, k: int, view: SplitView, lane: int) -> dict[str, list[_Message]]:
         if replica_index not in self._codecs:
