@@ -10,8 +10,9 @@ On real gloo processes (2 and 4 ranks, one compute thread each, spawned together
    `plan profile` fits its `allreduce_ring` (planner.profiling.calibrate); that fitted link prices both
    collectives below. With `--calibration FILE` (from `plan profile`; `--profile`: a `plan profile --quick`
    of this host first, into a temporary file) the tables' own links are priced too: the TP ring on the
-   intra-node link (`Calibration.p2p_link`, costmodel.calibrated.intra_link) and the ZeRO gather on the
-   `loopback` network (`Calibration.ring_link`, costmodel.calibrated.inter_link);
+   node's collective link (the all-reduce microbenchmark's ring, `Calibration.call_ring_link`, as
+   costmodel.calibrated.collective_link gives it) and the ZeRO gather on the `loopback` network (that ring
+   with the gradient sync's in-situ factor, `Calibration.ring_link`, costmodel.calibrated.inter_link);
 2. TP: examples/gpt and examples/hf_llama traced on meta, rewritten by passes.tensor_parallel to this
    rank's shard of degree t = world, given the single-process weights, then forward + backward of `rows`
    samples per step; every `torch.distributed.all_reduce` the graph's autograd functions issue is
@@ -106,7 +107,7 @@ class Links:
     """The links the model's figures are priced on: the fit of this run, and a calibration's (optional)."""
 
     fit: RingFit
-    tp_calibrated: Link | None = None       # the tables' intra-node link (Calibration.p2p_link)
+    tp_calibrated: Link | None = None       # the tables' collective link (costmodel.calibrated.collective_link)
     zero_calibrated: Link | None = None     # the tables' loopback network (Calibration.ring_link)
 
 
@@ -267,15 +268,16 @@ def run(worlds: tuple[int, ...], settings: dict[str, Any], calibration: Path | N
         ranks = measure(world, settings)
         load.append({"world": world, "load_average_1min_before": before, "after": os.getloadavg()[0]})
         fit = _fit_of(world, ranks)
-        links = Links(fit, cal.p2p_link("intra") if cal else None, cal.ring_link("loopback") if cal else None)
+        links = Links(fit, cal.call_ring_link("intra") if cal else None, cal.ring_link("loopback") if cal else None)
         fits.append(fit)
         tp += tp_rows(world, ranks, links)
         zero += zero_rows(world, ranks, links)
     return {"what": "collectives the program issues, measured on gloo ranks of this host, against the cost model",
             "link": "fit: ring model fitted in this run to all_reduce on the same ranks (FIT_SIZES_BYTES); "
-                    "calibrated: the tables' links from --calibration (TP: p2p_link, ZeRO: ring_link)",
+                    "calibrated: the tables' links from --calibration (TP: the collective link, "
+                    "Calibration.call_ring_link; ZeRO: the loopback network, Calibration.ring_link)",
             "calibration": str(calibration) if calibration else None, "settings": settings,
-            "calibrated_links": {"tp_intra_p2p": asdict(cal.p2p_link("intra")),
+            "calibrated_links": {"tp_intra_collective": asdict(cal.call_ring_link("intra")),
                                  "zero_loopback_ring": asdict(cal.ring_link("loopback"))} if cal else None,
             "torch_version": torch.__version__, "cpu_cores": os.cpu_count(), "host_load": load,
             "fits": [asdict(f) for f in fits],

@@ -23,6 +23,19 @@ def intra_link(link: Link, device: DeviceType, calibration: Calibration | None) 
     return calibration.p2p_link(link.kind)
 
 
+def collective_link(link: Link, device: DeviceType, calibration: Calibration | None) -> Link | None:
+    """The link a ring collective among a node group's devices runs at, where it is not `link`'s
+    point-to-point figures: when the host's processes are the devices, the all-reduce microbenchmark's
+    ring (Calibration.call_ring_link), since an all-reduce call costs far more than a message (here, 4
+    processes on 2 cores: 0.85 ms per ring hop, 0.48 ms one way for a message). benchmarks/
+    fidelity_collectives.py, 2026-12-02: on this ring tensor parallelism's all-reduces in a step are priced
+    15-50% below what they measure; on the message figures they were 3-10x too low, and with the in-situ
+    factor the gradient sync gets (x2.8) 1.5-3x too high. None: the intra link serves (NVLink, PCIe)."""
+    if calibration is None or calibration.kind != "cpu" or not calibration.matches(device):
+        return None
+    return calibration.call_ring_link(link.kind)
+
+
 def inter_link(spec: ClusterSpec, calibration: Calibration | None) -> Link:
     """The network between nodes: a `loopback` network of calibrated CPU devices is the host itself, so the
     measured all-reduce (as a ring link) replaces the spec's figures; anything else is kept."""

@@ -144,6 +144,12 @@ class Calibration:
         fitted to the all-reduces measured over two processes and over all profiling workers."""
         return Link(kind, self.ring.bandwidth_bytes_s, self.ring.latency_s)
 
+    def call_ring_link(self, kind: str) -> Link:
+        """The ring fit of the all-reduce microbenchmark itself, without the in-situ factor `ring_link`
+        carries (`sync_factor`: the gradient sync measured inside the models' steps against that fit): the
+        link of the small all-reduces a step issues between its ops, as tensor parallelism's pairs do."""
+        return Link(kind, self.ring.bandwidth_bytes_s * self.sync_factor, self.ring.latency_s / self.sync_factor)
+
     def p2p_link(self, kind: str) -> Link:
         """A link with the measured one-way point-to-point latency and bandwidth: as a pipeline sees them, while
         the other processes of the job compute (`microbench.measure_p2p_in_place`), or, in a file without

@@ -40,7 +40,17 @@ class ClassTable:
     framework_bytes: float = 0.0     # per process besides its stage's state and activations: the framework's
     #                                  own memory and the largest gradient's transient (part of every stage's need)
     tp_degree: int = 1               # a "device" here is this many devices of one node (costmodel.tensor_parallel)
+    # a collective among a node's devices (tensor parallelism's all-reduces), (bandwidth, latency per ring
+    # hop), where it is not the intra link's point-to-point figures (costmodel.calibrated.collective_link)
+    collective: tuple[float, float] | None = None
     zero_group: int = 1              # optimizer state sharded over >= this many replicas (costmodel.sharded_state)
+
+    @property
+    def collective_link(self) -> Link:
+        """The link a ring collective among this class's devices of one node runs at (per-hop latency)."""
+        if self.collective is None:
+            return Link("intra", self.intra_bandwidth_bytes_s, self.intra_latency_s)
+        return Link("intra", *self.collective)
 
     @property
     def model_bytes(self) -> float:
@@ -104,6 +114,7 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
             opt = calibrated.with_step_costs(opt, blocks, global_batch, calibration)
         capacity = memory.usable_bytes(dev, memory_margin)
         intra = calibrated.intra_link(group.intra_link, dev, calibration)
+        ring = calibrated.collective_link(group.intra_link, dev, calibration)
         classes.append(ClassTable(
             name=group.name, device_type=dev.name, num_devices=group.count * group.per_node,
             per_node=group.per_node, num_nodes=group.count, precision=prec, capacity_bytes=capacity,
@@ -111,7 +122,8 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
             fwd_s=fwd, bwd_s=bwd, overhead_s=over, state_bytes=state, act_bytes=act,
             boundary_bytes=boundary, optimizer_s=opt,
             intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,
-            intra_latency_s=intra.latency_s, price_per_hour=dev.price_per_hour))
+            intra_latency_s=intra.latency_s, price_per_hour=dev.price_per_hour,
+            collective=None if ring is None else (ring.bandwidth_bytes_s, ring.latency_s)))
     inter: Link = calibrated.inter_link(spec, calibration)
     return CostTables(
         global_batch=global_batch, num_blocks=len(blocks), classes=tuple(classes),

@@ -5,7 +5,8 @@ devices per node, else the class has none at that degree). Per block (planner.co
 
 - compute: the pairs' share of the FLOPs runs 1/t on each shard, the rest is repeated on every shard;
 - collectives: each pair all-reduces its output in the forward and its input's gradient in the backward,
-  a ring over the node's intra link (as costmodel.network.ring_allreduce_s), on the critical path
+  a ring over the node's collective link (ClassTable.collective_link: the intra link, or on calibrated
+  CPU devices the measured all-reduce; as costmodel.network.ring_allreduce_s), on the critical path
   (Megatron's scheme does not overlap them); the latency hops go with the launches, per micro-batch;
 - memory: the sharded parameters' weights, gradients and optimizer state 1/t per shard, the replicated
   ones whole; the kept activations of the pairs 1/t, the rest whole; what a cut sends stays whole
@@ -76,7 +77,7 @@ def _class_at(table: ClassTable, shardings: Sequence[BlockSharding], param_bytes
               t: int) -> ClassTable:
     if table.per_node % t:
         return dataclasses.replace(table, num_devices=0, per_node=0)
-    intra = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s)
+    intra = table.collective_link
     fwd, bwd, over, state, act, opt = [], [], [], [], [], []
     for b, sh in enumerate(shardings):
         on = _sharded(sh, t)

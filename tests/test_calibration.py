@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from costmodel import tensor_parallel
 from costmodel.calibration import SCHEMA_VERSION, CalibrationError, load_calibration, model_key, parse_calibration
 from costmodel.tables import build_tables
 from planner import frontend
@@ -16,9 +17,12 @@ from planner.api import DEFAULT_TRACE_BATCH, trace_model_file
 from planner.cli import main
 from planner.frontend.cluster import load_cluster
 from planner.profiling.calibrate import fit_line, fit_nonneg
+from tests import synthetic_tp as syn_tp
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli
 
-QUICK_PROFILE_LIMIT_S = 30.0
+# `--quick` stays quick (a full profile takes a minute and more). A loose bound (the suite runs beside it on two
+# workers, and a quick profile alone takes ~15 s here), not a speed target
+QUICK_PROFILE_LIMIT_S = 60.0
 MLP = EXAMPLES / "mlp" / "model.py"
 HETERO = CLUSTERS / "cpu-hetero-4.yaml"
 
@@ -104,6 +108,35 @@ def test_calibration_moves_the_tables_the_expected_way(mlp_blocks):
     # the slow group keeps its emulation factor on top of the measured figures
     assert slow.classes[1].fwd_s[1] == pytest.approx(3 * slow.classes[0].fwd_s[1])
     assert slow.inter_latency_s == pytest.approx(2e-4)        # loopback network = this host: ring fit
+
+
+def test_tensor_parallel_all_reduces_cost_the_measured_all_reduce_not_a_message(mlp_blocks):
+    """On calibrated CPU devices a TP pair's all-reduce is priced at the all-reduce microbenchmark's ring
+    (per hop; not the gradient sync's in-situ factor), while messages between stages keep the
+    point-to-point figures; uncalibrated, both are the node's intra link."""
+    doc = synthetic()
+    doc["comm"]["allreduce_ring"] = {"latency_s": 1e-3, "bandwidth_bytes_per_s": 2e8}
+    # the gradient sync's in-situ factor (inside the models' steps) is the gradient sync's alone
+    doc["in_situ"] = {"method": "test", "sync_factor": 3.0, "update_factor": 1.0}
+    measured, plain = _tables(mlp_blocks, parse_calibration(doc)), _tables(mlp_blocks)
+    assert measured.inter_latency_s == pytest.approx(3e-3)                  # loopback network: the sync's ring
+    for ci in range(2):
+        m, p = measured.classes[ci], plain.classes[ci]
+        assert m.intra_latency_s == pytest.approx(2e-4)                    # p2p: stage to stage
+        assert (m.collective_link.latency_s, m.collective_link.bandwidth_bytes_s) == pytest.approx((1e-3, 2e8))
+        assert (p.collective_link.latency_s, p.collective_link.bandwidth_bytes_s) == \
+            (p.intra_latency_s, p.intra_bandwidth_bytes_s)
+    pairs, nbytes = 2, 1e6
+    shards = [syn_tp.sharding(g, allreduces=pairs, allreduce_bytes=nbytes) for g in measured.grad_bytes]
+    base = syn_tp.with_shardings(measured, shards)
+    at_2 = tensor_parallel.at_degree(base, base.shardings, 2)
+    for b in range(base.num_blocks):
+        # per micro-batch: each pair's all-reduce forward and backward, 2(t-1) = 2 hops of 1 ms each
+        added_s = at_2.classes[0].overhead_s[b] - base.classes[0].overhead_s[b]
+        assert added_s == pytest.approx(2 * pairs * 2 * 1e-3)
+        # per sample: 2(t-1)/t of the bytes at the ring's bandwidth, on top of the halved compute
+        kept = 1 - 0.9 * (1 - 1 / 2)
+        assert at_2.classes[0].fwd_s[b] == pytest.approx(base.classes[0].fwd_s[b] * kept + nbytes / 2e8)
 
 
 def test_calibration_of_another_device_changes_nothing(mlp_blocks):
