@@ -25,8 +25,10 @@ MLP = EXAMPLES / "mlp" / "model.py"
 # Generous: a held-out op's calibrated time within this factor of its measurement on a host that other
 # tests (and other processes) may be loading meanwhile. --quick times the first held-out shape of each class,
 # all rate- or dispatch-bound as the profiled cases are (within 40% in benchmarks/results/single_device_cpu.json;
-# a few-row matmul with large weights is not, and is left to the full run).
-HELD_OUT_FACTOR = 3.0
+# a few-row matmul with large weights is not, and is left to the full run). Under the suite's own two
+# workers a held-out op once measured 3.1x its calibrated time (gelu 1000x96, 2026-12-02); the datasheet's
+# placeholder (1 TFLOP/s) is off by far more, so the factor still tells a calibration from none.
+HELD_OUT_FACTOR = 4.0
 WHOLE_MODEL_FACTOR = 2.0
 RUN_TIMEOUT_S = 240
 
