@@ -46,11 +46,14 @@ class ClassTable:
     zero_group: int = 1              # optimizer state sharded over >= this many replicas (costmodel.sharded_state)
 
     @property
+    def intra_link(self) -> Link:
+        """The link between this class's devices of one node (point-to-point figures)."""
+        return Link("intra", self.intra_bandwidth_bytes_s, self.intra_latency_s)
+
+    @property
     def collective_link(self) -> Link:
         """The link a ring collective among this class's devices of one node runs at (per-hop latency)."""
-        if self.collective is None:
-            return Link("intra", self.intra_bandwidth_bytes_s, self.intra_latency_s)
-        return Link("intra", *self.collective)
+        return self.intra_link if self.collective is None else Link("intra", *self.collective)
 
     @property
     def model_bytes(self) -> float:

@@ -104,7 +104,7 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     cls = next(iter(classes))
     one_node = len(classes) == 1 and sum(c.num_stages for c, _ in replicas) <= tables.classes[cls].per_node
     if one_node:
-        link = Link("intra", tables.classes[cls].intra_bandwidth_bytes_s, tables.classes[cls].intra_latency_s)
+        link = tables.classes[cls].intra_link
     else:
         link = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
     # as the ILP charges it (planner.search.sync): each split's slowest stage, tied groups included,

@@ -214,7 +214,7 @@ def _solve_family(tables: CostTables, configs: list[candidates.Config], items: l
         link_of: dict[int, list[int]] = {}
         for h, shape in enumerate(shapes):
             t = tables.classes[shape[0]]
-            link = Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
+            link = t.intra_link if one_node else inter
             bounds = splits[shape]
             overlap = overlap_of(tables, configs, shape, bounds)
             room = shape_room(configs, items, shape)

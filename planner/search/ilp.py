@@ -188,7 +188,7 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
             model.add(n[i] <= n_max[i] * group_used)
         class_used[ci].append(group_used)
         table = tables.classes[ci]
-        link = Link("intra", table.intra_bandwidth_bytes_s, table.intra_latency_s) if one_node else inter
+        link = table.intra_link if one_node else inter
         overlap = overlap_of(tables, configs, shape, bounds)
         at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap, room or None)]
         model.add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
