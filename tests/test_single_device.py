@@ -22,14 +22,13 @@ from tests.helpers import EXAMPLES, REPO
 from tests.test_calibration import synthetic
 
 MLP = EXAMPLES / "mlp" / "model.py"
-# Generous: a held-out op's calibrated time within this factor of its measurement on a host that other
-# tests (and other processes) may be loading meanwhile. --quick times the first held-out shape of each class,
-# all rate- or dispatch-bound as the profiled cases are (within 40% in benchmarks/results/single_device_cpu.json;
-# a few-row matmul with large weights is not, and is left to the full run). Under the suite's own two
-# workers a held-out op once measured 3.1x its calibrated time (gelu 1000x96, 2026-12-02); the datasheet's
-# placeholder (1 TFLOP/s) is off by far more, so the factor still tells a calibration from none.
-HELD_OUT_FACTOR = 4.0
-WHOLE_MODEL_FACTOR = 2.0
+# Generous guards, not accuracy targets (benchmarks/fidelity.py --single-device measures those): this run
+# profiles and measures on a host that the suite's other worker loads meanwhile. Under that load a held-out
+# op once measured 3.1x its calibrated time (gelu 1000x96, 2026-12-02) and the whole mlp 2.1x (2026-12-03).
+# What tells a calibration from none does not depend on the load: each held-out op's calibrated time is
+# nearer its measurement than the datasheet's placeholder (1 TFLOP/s, 4-20x too fast here) is.
+HELD_OUT_FACTOR = 6.0
+WHOLE_MODEL_FACTOR = 4.0
 RUN_TIMEOUT_S = 240
 
 
@@ -76,6 +75,8 @@ def test_calibrated_predictions_are_near_the_measurements(quick_run):
         predicted = r["predicted"]["calibrated"]["fwd_s"] + r["predicted"]["calibrated"]["bwd_s"]
         measured = r["measured"]["fwd_s"] + r["measured"]["bwd_s"]
         assert 1 / HELD_OUT_FACTOR < predicted / measured < HELD_OUT_FACTOR, r
+        datasheet = r["predicted"]["datasheet"]["fwd_s"] + r["predicted"]["datasheet"]["bwd_s"]
+        assert datasheet == 0 or abs(math.log(predicted / measured)) < abs(math.log(datasheet / measured)), r
     whole = next(r for r in doc["rows"] if r["level"] == "model")
     assert 1 / WHOLE_MODEL_FACTOR < 1 + whole["error"]["calibrated"]["total"] < WHOLE_MODEL_FACTOR, whole
     # the catalog's CPU entry is a placeholder (1 TFLOP/s): measuring this host must predict ops better

@@ -132,6 +132,8 @@ def test_dry_run_builds_every_rank_of_a_many_rank_plan_on_meta(tmp_path):
         assert len(mine) == len(replica.ranks)           # every tensor-parallel shard of each stage
         assert all(r["replica_param_count"] == model_params for r in mine)
     for r in records:
-        assert r["start_up_s"] < 30 and r["peak_memory_bytes"] < 2 * 2**30
+        # a guard against a start-up that materialises or re-traces per rank, not a speed target: one such
+        # start-up took 30.0 s under the suite's two workers (2026-12-03); an unloaded one takes 8-12 s here
+        assert r["start_up_s"] < 120 and r["peak_memory_bytes"] < 2 * 2**30
         assert r["param_count"] > 0 and r["saved_activation_bytes"] > 0
     assert not (out / "run").exists()          # a dry run starts no rank and keeps no run folder
