@@ -134,3 +134,23 @@ def test_the_walk_of_short_warm_ups_is_the_simulated_schedule() -> None:
         f, b, x = np.array(fwd), np.array(bwd), np.append(np.array(send), 0.0)
         for M in range(1, S - 1):
             assert pipeline.walk_s(f, b, x, M) == pytest.approx(simulated_s(fwd, bwd, send, M), rel=1e-12), (S, M)
+
+
+def test_tables_made_together_equal_those_made_one_by_one_to_the_bit() -> None:
+    """`prime` runs the lattices of pipelines of one depth together (what the ILP's items ask for at once);
+    each table must be the one `makespans_s` makes for that pipeline alone, bit for bit, and what
+    pipeline_s then reads from it too."""
+    rng = random.Random(11)
+    pipes = [tuple(map(tuple, random_pipeline(rng, 20))) for _ in range(60)]
+    pipes += [tuple(map(tuple, random_pipeline(random.Random(3), 20)))] * 2      # a pipeline asked twice
+    most = pipeline.DEFAULT_MAX_MICRO
+    alone = {p: pipeline.makespans_s(*p, most) for p in pipes}
+    pipeline._TABLES.clear()
+    pipeline.prime(pipes, most)
+    assert len(pipeline._TABLES) == len({p for p in pipes if len(p[0]) > 1})       # one stage: no lattice
+    for p in pipes:
+        for M in {1, 2, max(1, len(p[0]) - 1), len(p[0]), 37, most}:
+            assert pipeline.pipeline_s(*p, M) == alone[p][M], (p, M)
+    for p, table in alone.items():
+        if len(p[0]) > 1:
+            assert np.array_equal(pipeline._TABLES[(*p, most, "1f1b")], table)

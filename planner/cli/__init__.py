@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from planner.cli.main import main
+from planner.cli.main import entry, main
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]

@@ -38,7 +38,7 @@ from ortools.sat.python import cp_model
 from costmodel.tables import CostTables
 from planner.core.cluster import Link
 from planner.core.units import NS_PER_S
-from planner.search import align
+from planner.search import align, pipeline
 from planner.search.candidates import Choice, Config, Solution, to_ns
 from planner.search.configs import overlap_of
 from planner.search.solver import DEFAULT_SETTINGS, SolverSettings, solve_model
@@ -71,6 +71,8 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     kept apart: which splits combine is constrained, planner.search.align).
     """
     B = tables.global_batch
+    pipeline.prime([(c.split.fwd_s, c.split.bwd_s, c.split.send_s) for c in configs if c.schedule == "1f1b"],
+                   max_micro)      # every 1F1B table at once, then read count by count
     every = [Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
              for k, c in enumerate(configs) for M in c.micro_batch_counts(B, max_micro)]
     return frontier(every, configs, step_fraction)

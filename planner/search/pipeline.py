@@ -30,6 +30,8 @@ tests/test_pipeline_time.py checks all of them against backends/sim on random pi
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -40,6 +42,11 @@ WALK_MAX_STAGES = 16
 
 # makespans are computed for M up to this (or the next power of two above a larger M) and cached
 DEFAULT_MAX_MICRO = 256
+TABLES_KEPT = 8192
+PRIMED_CELLS = 4096        # pipelines x stages per batch of `prime`: ~4 MB of rounds per 128 counts
+Key = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int, str]   # fwd, bwd, send, counts, schedule
+_TABLES: dict[Key, np.ndarray] = {}
+_TABLES_LOCK = threading.Lock()
 
 
 def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int,
@@ -85,12 +92,46 @@ def _arrays(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, .
             np.append(np.asarray(send, dtype=float), 0.0))
 
 
-@functools.lru_cache(maxsize=8192)
 def _cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], max_micro: int,
             schedule: str) -> np.ndarray:
-    if schedule == "gpipe":
-        return gpipe_makespans_s(fwd, bwd, send, max_micro)
-    return makespans_s(fwd, bwd, send, max_micro)
+    key: Key = (fwd, bwd, send, max_micro, schedule)
+    table = _TABLES.get(key)
+    if table is None:
+        table = gpipe_makespans_s(fwd, bwd, send, max_micro) if schedule == "gpipe" else \
+            makespans_s(fwd, bwd, send, max_micro)
+        _keep(key, table)
+    return table
+
+
+def prime(pipelines: Iterable[tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]],
+          most: int = DEFAULT_MAX_MICRO) -> None:
+    """Make the 1F1B tables pipeline_s reads for counts up to `most`, for many pipelines
+    at once: the lattices of pipelines of one depth run together (`_lattices`), in chunks of
+    PRIMED_CELLS stage-cells. The tables equal those pipeline_s would make one by one, to the bit; the
+    ILP's items at 1024 GPUs ask for some 600 of them, 1.1 s one by one."""
+    max_micro = _limit(most)
+    todo: dict[int, dict[Key, None]] = {}
+    for fwd, bwd, send in pipelines:
+        key: Key = (fwd, bwd, send, max_micro, "1f1b")
+        if len(fwd) > 1 and max_micro >= len(fwd) - 1 and key not in _TABLES:
+            todo.setdefault(len(fwd), {})[key] = None
+    for S, keyed in todo.items():
+        keys = list(keyed)
+        chunk = max(1, PRIMED_CELLS // S)
+        for i in range(0, len(keys), chunk):
+            part = keys[i:i + chunk]
+            rows = _lattices(np.array([k[0] for k in part], dtype=float), np.array([k[1] for k in part], dtype=float),
+                             np.array([(*k[2], 0.0) for k in part], dtype=float), max_micro)
+            for (fwd, bwd, send, _, schedule), row in zip(part, rows):
+                _keep((fwd, bwd, send, max_micro, schedule), makespans_s(fwd, bwd, send, max_micro, lattice=row))
+
+
+def _keep(key: Key, table: np.ndarray) -> None:
+    """Cache a table, the oldest dropped beyond TABLES_KEPT (a process that plans many models)."""
+    with _TABLES_LOCK:     # the search builds items on a worker thread (planner.search.ahead)
+        _TABLES[key] = table
+        while len(_TABLES) > TABLES_KEPT:
+            del _TABLES[next(iter(_TABLES))]
 
 
 def gpipe_makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
@@ -116,9 +157,10 @@ def closed_form_s(fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray, micro_batc
 
 
 def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
-                max_micro: int) -> np.ndarray:
+                max_micro: int, lattice: np.ndarray | None = None) -> np.ndarray:
     """out[M] = seconds from the first forward to the last backward with M micro-batches, M = 1 ..
-    max_micro (out[0] = 0). `send[s]` is one transfer between stages s and s+1 (S - 1 of them)."""
+    max_micro (out[0] = 0). `send[s]` is one transfer between stages s and s+1 (S - 1 of them).
+    `lattice`: this pipeline's `_lattice` at max_micro where already made (`prime`)."""
     f, b, x = _arrays(fwd, bwd, send)
     S = len(f)
     out = np.zeros(max_micro + 1)
@@ -126,7 +168,7 @@ def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[floa
         out[1:] = np.arange(1, max_micro + 1) * (f[0] + b[0])
         return out
     if max_micro >= S - 1:
-        out[S - 1:] = _lattice(f, b, x, max_micro)
+        out[S - 1:] = _lattice(f, b, x, max_micro) if lattice is None else lattice
     short = range(1, min(S - 1, max_micro + 1))
     walked = [M for M in short if S <= WALK_MAX_STAGES or M & (M - 1) == 0 or
               (M == short[-1] and max_micro < S - 1)]
@@ -225,44 +267,58 @@ def _one_f_one_b_order(S: int, s: int, M: int) -> list[int]:
 
 def _lattice(f: np.ndarray, b: np.ndarray, x: np.ndarray, max_micro: int) -> np.ndarray:
     """Makespans for M = S-1 .. max_micro (see the module docstring)."""
-    S = len(f)
-    # warm-up: column i, stages 0 .. S-2-i run forward i
+    return _lattices(f[None, :], b[None, :], x[None, :], max_micro)[0]
+
+
+def _warm_up(fl: list[float], xl: list[float]) -> tuple[list[float], list[float], list[float]]:
+    """One pipeline's warm-up (column i: stages 0 .. S-2-i run forward i): per stage, the end of its last
+    forward, that forward's input arrival, and the end of its last action."""
+    S = len(fl)
     fend, farr, end = [0.0] * S, [0.0] * S, [0.0] * S
-    fl, xl = f.tolist(), x.tolist()
     for i in range(S - 1):
         for s in range(S - 1 - i):
             arr = 0.0 if s == 0 else max(fend[s - 1], farr[s]) + xl[s - 1]
             fend[s] = end[s] = max(end[s], arr) + fl[s]
             farr[s] = arr
-    g = x[:-1] + b[:-1]                       # E(s+1) -> E(s): the gradient's transfer, then s's backward
-    G = np.concatenate([[0.0], np.cumsum(g)])  # G[s] = g[0] + ... + g[s-1]
+    return fend, farr, end
+
+
+def _lattices(f: np.ndarray, b: np.ndarray, x: np.ndarray, max_micro: int) -> np.ndarray:
+    """`_lattice` of P pipelines of one depth at once: f, b, x of shape (P, S), out (P, max_micro - S + 2).
+    Every operation is elementwise along P (maxima, sums, and cumulative ones along the stages), so each
+    row is the number `_lattice` gives that pipeline alone, to the bit; P of them cost about one."""
+    P, S = f.shape
+    fend, farr, end = np.array([_warm_up(fp, xp) for fp, xp in zip(f.tolist(), x.tolist())]).transpose(1, 0, 2)
+    g = x[:, :-1] + b[:, :-1]                  # E(s+1) -> E(s): the gradient's transfer, then s's backward
+    G = np.concatenate([np.zeros((P, 1)), np.cumsum(g, axis=1)], axis=1)  # G[s] = g[0] + ... + g[s-1]
     rounds = max_micro                         # the last stage's last round is M - 1
-    END = np.empty((rounds + 1, S))            # per stage, after r rounds: end of its last action
-    BARR = np.empty((rounds + 1, S))           # and arrival of its last gradient input
-    Fend, Farr, E, Barr = np.array(fend), np.array(farr), np.array(end), np.full(S, -np.inf)
+    END = np.empty((rounds + 1, P, S))         # per stage, after r rounds: end of its last action
+    BARR = np.empty((rounds + 1, P, S))        # and arrival of its last gradient input
+    Fend, Farr, E, Barr = fend, farr, end, np.full((P, S), -np.inf)
     END[0], BARR[0] = E, Barr
-    arr_f = np.zeros(S)
+    arr_f = np.zeros((P, S))
     for k in range(rounds):
-        arr_f[1:] = np.maximum(Fend[:-1], Farr[1:]) + x[:-1]
+        arr_f[:, 1:] = np.maximum(Fend[:, :-1], Farr[:, 1:]) + x[:, :-1]
         Fnew = np.maximum(E, arr_f) + f
         X = Fnew.copy()
-        X[:-1] = np.maximum(Fnew[:-1], Barr[:-1] + x[:-1])
-        E = np.maximum.accumulate((X + b + G)[::-1])[::-1] - G
+        X[:, :-1] = np.maximum(Fnew[:, :-1], Barr[:, :-1] + x[:, :-1])
+        E = np.maximum.accumulate((X + b + G[:, :S])[:, ::-1], axis=1)[:, ::-1] - G[:, :S]
         Bnew = Barr.copy()
-        Bnew[:-1] = np.maximum(E[1:], Barr[:-1]) + x[:-1]
+        Bnew[:, :-1] = np.maximum(E[:, 1:], Barr[:, :-1]) + x[:, :-1]
         Fend, Farr, Barr = Fnew, arr_f.copy(), Bnew
         END[k + 1], BARR[k + 1] = E, Barr
     # drain of each M, vectorised over M: stage s starts it after round M - S + s
     Ms = np.arange(S - 1, max_micro + 1)
     stages = np.arange(S)[:, None]
     last = Ms[None, :] - S + stages + 1
-    end2 = END[last, stages]                   # (S, len(Ms))
-    barr2 = BARR[last, stages]
+    end2 = END[last, :, stages].transpose(2, 0, 1)       # (S, len(Ms), P) -> (P, S, len(Ms))
+    barr2 = BARR[last, :, stages].transpose(2, 0, 1)
     for c in range(S - 1):                     # column c: stages 0 .. c run a drain backward
-        anchor = end2[c + 1]                   # stage c+1's backward of the same micro-batch
-        X = np.maximum(end2[:c + 1], barr2[:c + 1] + x[:c + 1, None])
-        Z = np.vstack([X + (b[:c + 1] + G[:c + 1])[:, None], (anchor + G[c + 1])[None, :]])
-        Ec = np.maximum.accumulate(Z[::-1], axis=0)[::-1] - G[:c + 2, None]
-        barr2[:c + 1] = np.maximum(Ec[1:], barr2[:c + 1]) + x[:c + 1, None]
-        end2[:c + 1] = Ec[:c + 1]
-    return end2[0]
+        anchor = end2[:, c + 1]                # stage c+1's backward of the same micro-batch
+        X = np.maximum(end2[:, :c + 1], barr2[:, :c + 1] + x[:, :c + 1, None])
+        Z = np.concatenate([X + (b[:, :c + 1] + G[:, :c + 1])[:, :, None], (anchor + G[:, c + 1, None])[:, None, :]],
+                           axis=1)
+        Ec = np.maximum.accumulate(Z[:, ::-1], axis=1)[:, ::-1] - G[:, :c + 2, None]
+        barr2[:, :c + 1] = np.maximum(Ec[:, 1:], barr2[:, :c + 1]) + x[:, :c + 1, None]
+        end2[:, :c + 1] = Ec[:, :c + 1]
+    return end2[:, 0]
