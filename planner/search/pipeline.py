@@ -122,8 +122,8 @@ def prime(pipelines: Iterable[tuple[tuple[float, ...], tuple[float, ...], tuple[
             part = keys[i:i + chunk]
             rows = _lattices(np.array([k[0] for k in part], dtype=float), np.array([k[1] for k in part], dtype=float),
                              np.array([(*k[2], 0.0) for k in part], dtype=float), max_micro)
-            for (fwd, bwd, send, _, schedule), row in zip(part, rows):
-                _keep((fwd, bwd, send, max_micro, schedule), makespans_s(fwd, bwd, send, max_micro, lattice=row))
+            for key, row in zip(part, rows):
+                _keep(key, makespans_s(key[0], key[1], key[2], max_micro, lattice=row))
 
 
 def _keep(key: Key, table: np.ndarray) -> None:
@@ -302,7 +302,7 @@ def _lattices(f: np.ndarray, b: np.ndarray, x: np.ndarray, max_micro: int) -> np
         Fnew = np.maximum(E, arr_f) + f
         X = Fnew.copy()
         X[:, :-1] = np.maximum(Fnew[:, :-1], Barr[:, :-1] + x[:, :-1])
-        E = np.maximum.accumulate((X + b + G[:, :S])[:, ::-1], axis=1)[:, ::-1] - G[:, :S]
+        E = np.maximum.accumulate((X + b + G)[:, ::-1], axis=1)[:, ::-1] - G
         Bnew = Barr.copy()
         Bnew[:, :-1] = np.maximum(E[:, 1:], Barr[:, :-1]) + x[:, :-1]
         Fend, Farr, Barr = Fnew, arr_f.copy(), Bnew
