@@ -152,3 +152,18 @@ def _built(tabs: CostTables, z: int) -> tuple[CostTables, list]:
     from planner.search.configs import build_configs
     at = sharded_state.at_group(tabs, z)
     return at, build_configs(at)
+
+
+def test_variants_are_taken_likeliest_winner_first():
+    """Where the model fits a device whole the lowest degree is solved first (TP's collectives rarely pay),
+    where memory is short the highest degree, ZeRO first: the order the records keep."""
+    fits = syn.tables([syn.table("g", 1.0, blocks=4, devices=16, per_node=8, state_gib=[1.0] * 4,
+                                 capacity_gib=40.0)], 16)
+    short = _zero_wins()
+    for tabs, expect_short in ((fits, False), (short, True)):
+        assert degrees.memory_short(tabs) is expect_short
+        order = [(r["tp_degree"], r["zero_group"]) for r in degrees.search(syn_tp.with_shardings(
+            tabs, syn_tp.random_shardings(random.Random(0), tabs)), ILP)[1]]
+        assert len(order) > 1
+        expected = sorted(order, key=lambda tz: (-tz[0], -tz[1]) if expect_short else tz)
+        assert order == expected
