@@ -56,7 +56,7 @@ class CommEvent(NamedTuple):
 
     def text(self) -> str:
         """The event in one line, without its rank (the stream's): also what the digest hashes."""
-        payload = f"{self.dtype}[{','.join(map(str, self.shape))}]"
+        payload = payload_text(self.dtype, self.shape)
         if self.kind == SEND:
             return f"{self.label} send >{self.peer} tag {self.tag} {payload} {self.codec}"
         if self.kind == RECV:
@@ -74,6 +74,12 @@ class CommEvent(NamedTuple):
         if self.kind == WAIT:
             return f"{self.label} wait"
         return f"{self.label} {self.group}"
+
+
+@functools.lru_cache(maxsize=4096)     # a plan has few value shapes, each sent thousands of times
+def payload_text(dtype: str, shape: tuple[int, ...]) -> str:
+    """A value's dtype and shape as the text form writes them: `float32[4,16]`."""
+    return f"{dtype}[{','.join(map(str, shape))}]"
 
 
 @functools.lru_cache(maxsize=4096)     # a plan has few groups, each named in every member's stream

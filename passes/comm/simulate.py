@@ -112,41 +112,56 @@ class _Run:
         return found
 
     def _advance(self, r: int) -> None:
-        stream = self.streams[r]
-        while self.pos[r] < len(stream):
-            i = self.pos[r]
+        # the hot loop of the verifier (10^6 events at 1024 ranks): position and tables held in locals
+        streams, pos, mailbox, unreceived = self.streams, self.pos, self.mailbox, self.unreceived
+        stream = streams[r]
+        end = len(stream)
+        i = pos[r]
+        while i < end:
             e = stream[i]
-            if e.kind == SEND:
-                if not 0 <= e.peer < self.n or e.peer == r:
-                    raise PassError(f"rank {r} sends `{e.text()}` to rank {e.peer}, which is not another rank "
+            kind = e.kind
+            if kind == SEND:
+                peer = e.peer
+                if not 0 <= peer < self.n or peer == r:
+                    pos[r] = i
+                    raise PassError(f"rank {r} sends `{e.text()}` to rank {peer}, which is not another rank "
                                     f"of the plan{self.what}\n" + self.grid([(r, i)]), fix="report this plan")
-                self.mailbox.setdefault((r, e.peer), deque()).append(i)
-                self.unreceived[r] += 1
-                self.pos[r] += 1
-                self._wake(e.peer)
-            elif e.kind == RECV:
-                box = self.mailbox.get((e.peer, r))
+                box = mailbox.get((r, peer))
+                if box is None:
+                    box = mailbox[r, peer] = deque()
+                box.append(i)
+                unreceived[r] += 1
+                i += 1
+                self._wake(peer)
+            elif kind == RECV:
+                peer = e.peer
+                box = mailbox.get((peer, r))
                 if not box:
-                    return
+                    break
                 j = box.popleft()
-                sent = self.streams[e.peer][j]
-                if sent.signature() != e.signature():
+                sent = streams[peer][j]
+                if (sent.tag != e.tag or sent.codec != e.codec or sent.shape != e.shape or sent.dtype != e.dtype
+                        or sent.nbytes != e.nbytes):      # signature(): what both ends must agree on
+                    pos[r] = i
                     raise PassError(
-                        f"message mismatch{self.what}: rank {r} receives `{e.text()}` where rank {e.peer}'s "
-                        f"next message to it is `{sent.text()}` (ranks {e.peer} and {r} must send and receive "
+                        f"message mismatch{self.what}: rank {r} receives `{e.text()}` where rank {peer}'s "
+                        f"next message to it is `{sent.text()}` (ranks {peer} and {r} must send and receive "
                         "in the same order, the same tag, shape and dtype)\n"
-                        + self.grid([(e.peer, j), (r, i)]), fix="report this plan")
-                self.unreceived[e.peer] -= 1
-                if self.unreceived[e.peer] == 0:
-                    self._wake(e.peer)
-                self.pos[r] += 1
-            elif e.kind == WAIT:
-                if self.unreceived[r]:
-                    return
-                self.pos[r] += 1
+                        + self.grid([(peer, j), (r, i)]), fix="report this plan")
+                unreceived[peer] -= 1
+                if unreceived[peer] == 0:
+                    self._wake(peer)
+                i += 1
+            elif kind == WAIT:
+                if unreceived[r]:
+                    break
+                i += 1
             else:
+                pos[r] = i
                 if not self._collective(r, i, e):
                     return
+                i = pos[r]
+        pos[r] = i
 
     def _collective(self, r: int, i: int, e: CommEvent) -> bool:
         """Enter (once) the collective at position i; True when it completed, False while it waits."""
