@@ -47,6 +47,8 @@ def _check_against_reference(out, plan: Plan, model: str, optimizer: str = "adam
     assert seen == set(ref.params) - _unused(plan, ref.params)
     for m in metrics:
         assert m["step_time_s"] > 0 and m["peak_memory_bytes"] > 0
+        # the rank's own compute inside the step: CPU seconds, and the wall seconds it took
+        assert 0 < m["compute_s"] and 0 < m["compute_wall_s"] < m["step_time_s"]
 
 
 def plan_micro_batches(plan: Plan) -> list[int]:

@@ -11,6 +11,7 @@ its stage's need by the one memory rule (costmodel.memory), compressor state inc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from planner.core.ir import (
 from planner.search.candidates import Choice, Config, Solution
 from planner.search.compressors import group_allowed, stage_allowed
 from planner.search.schedules import stage_need_bytes
+from planner.search.split import block_phases_s
 
 
 @dataclass
@@ -44,6 +46,25 @@ class _Replica:
     def time_s(self, share: int | None = None) -> float:
         share = self.share if share is None else share
         return self.config.replica_time_s(math.ceil(share / self.config.micro_batch))
+
+    def estimated_s(self, tables: CostTables) -> float:
+        """The replica's iteration as the program runs it: a share below the micro-batch size is one
+        micro-batch of that many rows, priced at its rows (the search's items price whole micro-batches:
+        with the size forced, a replica of 1 sample was charged a micro-batch of 16, 1.5x its time on an
+        overhead-bound model); the sends stay priced at the whole micro-batch's, an upper bound."""
+        if self.share >= self.config.micro_batch:
+            return self.time_s()
+        return at_rows(self.config, tables, self.share).replica_time_s(1)
+
+
+def at_rows(config: Config, tables: CostTables, rows: int) -> Config:
+    """`config` with each stage's forward and backward for micro-batches of `rows` rows (its recompute
+    flags and its sends as they are)."""
+    split = config.split
+    phases = [block_phases_s(tables.classes[ci], range(split.bounds[s], split.bounds[s + 1]), rows,
+                             split.stage_recompute[s]) for s, ci in enumerate(config.classes)]
+    return dataclasses.replace(config, split=dataclasses.replace(
+        split, fwd_s=tuple(f for f, _ in phases), bwd_s=tuple(b for _, b in phases)))
 
 
 def _take(free: dict[int, list[Device]], count: int, per_node: int) -> list[Device]:
@@ -205,7 +226,8 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                                        codec, block_elems=compression.INT8_BLOCK_ELEMS if codec == "int8" else 0))
             rank += degree
         group = "+".join(dict.fromkeys(tables.classes[ci].name for ci in cfg.classes))
-        replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule, rep.time_s()))
+        replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule,
+                                         rep.estimated_s(tables)))
 
     all_devices = spec.devices()
     rank_device = {r: all_devices[d] for rp in replica_plans for st in rp.stages for r, d, _ in st.rank_devices()}

@@ -11,6 +11,11 @@ Each line also holds this rank's memory, added by `MetricsLog.log` itself: the m
 (memory.peak_memory_fields: VmHWM on CPU, the CUDA allocator's allocated and reserved peaks) beside
 the plan's estimate for the rank (`estimated_memory_bytes`, its stage's `memory_bytes`).
 
+Each line holds the rank's compute of the step as well (slowdown.Slowdown: forward and backward with an
+emulated device's padding): `compute_s` in CPU seconds on a CPU device (wall seconds on a GPU), and
+`compute_wall_s`, the wall seconds it took; beside the plan's `busy_s` of the rank they tell compute
+estimates from waiting, and on a shared CPU host how much the other processes slowed it.
+
 A run with --rebalance (rebalance.py) adds to every line the replicas' measured compute seconds per row
 (`replica_s_per_row`), and to the lines of a step after which it re-solved the batch shares a
 `rebalance` record (`RebalanceRecord`): the step, the old and the new shares, the figures the solver saw,

@@ -9,7 +9,9 @@ and make their speed depend on its schedule.
 The factor may change from step to step (`begin_step`): `drift(step)` multiplies the planned one, as an
 injected `slow:DEVICE=FACTOR@STEP` fault does (faults.Faults.slowdown), so a device can slow down in the
 middle of a run. Each step also counts the rank's compute seconds, padding included (`step_compute_s`):
-what the device spent computing, the figure rebalancing (rebalance.py) compares replicas by.
+what the device spent computing, the figure rebalancing (rebalance.py) compares replicas by; and the wall
+seconds the same compute took (`step_compute_wall_s`: on a CPU host shared by more processes than cores,
+more than its CPU seconds). Both go into the step's metrics line, beside the plan's `busy_s` of the rank.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ class Slowdown:
         self.planned, self.device, self.p2p, self.drift = planned, device, p2p, drift
         self.factor = planned
         self.step_compute_s = 0.0
+        self.step_compute_wall_s = 0.0
 
     def begin_step(self, step: int) -> None:
         """Take step `step`'s factor and start counting its compute anew."""
         self.factor = self.planned * self.drift(step)
         self.step_compute_s = 0.0
+        self.step_compute_wall_s = 0.0
 
     def work_clock(self) -> float:
         """Seconds of this rank's own work: CPU seconds on a CPU device (a blocked receive costs none, and
@@ -53,7 +57,7 @@ class Slowdown:
     @contextlib.contextmanager
     def padded(self) -> Iterator[None]:
         """Run the body, then stay busy for (factor - 1) times the work it did; count both."""
-        start_s = self.work_clock()
+        start_s, start_wall_s = self.work_clock(), time.perf_counter()
         yield
         if self.factor > 1.0:
             work_s = self.work_clock() - start_s
@@ -61,3 +65,4 @@ class Slowdown:
             while self.work_clock() < end_s:
                 pass
         self.step_compute_s += self.work_clock() - start_s
+        self.step_compute_wall_s += time.perf_counter() - start_wall_s

@@ -229,6 +229,7 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
                 grad_wire_bytes=sum(by_group.values()), grad_wire_bytes_by_group=by_group,
                 compute_dtype=str(executor.compute_dtype).removeprefix("torch."),
                 loss_scale=executor.scaler.scale if executor.scaler else None, skipped_step=skipped,
+                compute_s=executor.slowdown.step_compute_s, compute_wall_s=executor.slowdown.step_compute_wall_s,
                 **rebalanced)
         if saver is not None and saver.due(step + 1):       # the state after step + 1 completed steps
             saver.save(step + 1, checkpoint_state.collect(state, step + 1))
