@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_check.sh --cpu-dry-run   # the same steps on CPU, small and quick (checks the script)
 #
 # Steps, each under its own timeout (one that fails or runs out leaves the others' results):
-#   1. kernels       python benchmarks/kernels.py: Triton kernels against their torch references, GB/s
+#   1. kernels       python benchmarks/kernel_bandwidth.py: Triton kernels against their torch references, GB/s
 #   2. profile       plan profile --quick --device cuda (no model, one computing process)
 #   3. single-device python benchmarks/fidelity.py --single-device --quick: ops and blocks of the example
 #                    models predicted (datasheet; calibrated by step 2 where it succeeded) vs measured
@@ -73,7 +73,7 @@ step() {   # step NAME TIMEOUT_S LOG COMMAND...: run it under its timeout, recor
 }
 
 step kernels "$KERNELS_TIMEOUT_S" "$DEST/kernels_$DEVICE.log" \
-    "$PYTHON" benchmarks/kernels.py --out "$DEST/kernels_$DEVICE.json" "${KERNEL_ARGS[@]}"
+    "$PYTHON" benchmarks/kernel_bandwidth.py --out "$DEST/kernels_$DEVICE.json" "${KERNEL_ARGS[@]}"
 
 CALIBRATION="$DEST/calibration_$DEVICE.json"
 CAL_ARGS=(--datasheet-only)

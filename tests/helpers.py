@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import subprocess
 import sys
@@ -15,6 +16,18 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 CLUSTERS = EXAMPLES / "clusters"
 SHARED_CLUSTERS = REPO.parent / "shared" / "clusters"
+BENCHMARKS = REPO / "benchmarks"
+
+
+def import_benchmark(name: str) -> Any:
+    """Import the script benchmarks/<name>.py the way it runs (its sibling imports, such as `common`,
+    resolve in benchmarks/), then take benchmarks/ off sys.path again: left there, its file names would
+    shadow installed packages of the same name for every later test of the worker."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 def cluster_files() -> list[Path]:

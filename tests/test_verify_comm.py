@@ -37,7 +37,7 @@ from planner.core import schedule as sched
 from planner.core.comm_records import CommValue
 from planner.core.errors import PassError
 from planner.core.ir import Plan
-from tests.helpers import CLUSTERS, EXAMPLES, REPO, run_logs_tail
+from tests.helpers import CLUSTERS, EXAMPLES, REPO, import_benchmark, run_logs_tail
 
 CASES = {   # name: model, cluster, options; together: 1F1B and GPipe, skips, every kind of gradient group
     "gpt-cpu4-1f1b": ("gpt", "cpu-hetero-4", dict(global_batch=16, stages=2, use_all_devices=True, micro_batch=2,
@@ -346,9 +346,8 @@ def test_every_generated_fault_is_rejected_naming_its_ranks():
 @pytest.mark.slow
 def test_no_false_alarm_on_any_plan_of_plan_quality(monkeypatch):
     monkeypatch.setenv("HETPLAN_SEQ_LEN", "1024")          # as plan_quality.py traces llama7b
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import common
-    import plan_quality
+    common = import_benchmark("common")
+    plan_quality = import_benchmark("plan_quality")
 
     from passes.comm.inputs import graph_params, split_inputs
     from planner import frontend

@@ -18,10 +18,9 @@ from costmodel.catalog import load_catalog
 from planner.core.errors import OptionError
 from planner.core.units import BYTES_PER_MIB
 from planner.frontend.cluster import load_cluster
-from tests.helpers import REPO
+from tests.helpers import REPO, import_benchmark
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import vs_metis  # noqa: E402
+vs_metis = import_benchmark("vs_metis")
 
 CLI_TIMEOUT_S = 60
 

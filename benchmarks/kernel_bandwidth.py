@@ -1,7 +1,7 @@
 """Benchmark the compression kernels: Triton kernel vs torch reference, time and GB/s.
 
-    python benchmarks/kernels.py                     # CUDA if present, else CPU
-    TRITON_INTERPRET=1 python benchmarks/kernels.py  # CPU: also run the interpreted kernels
+    python benchmarks/kernel_bandwidth.py                     # CUDA if present, else CPU
+    TRITON_INTERPRET=1 python benchmarks/kernel_bandwidth.py  # CPU: also run the interpreted kernels
 
 Prints a table and writes benchmarks/results/kernels.json. For every kernel and size it
 first checks the kernel against its reference, then times both. "Bytes" is the
