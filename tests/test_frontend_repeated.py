@@ -59,6 +59,14 @@ class Layer(nn.Module):
         return x + y
 
 
+class KernelFunc(nn.Module):
+    """A stateless module a layer holds in a plain attribute (not registered as a child)."""
+
+    def __init__(self, flavour: int) -> None:
+        super().__init__()
+        self.flavour = flavour
+
+
 class Toy(nn.Module):
     """Embedding, a stack of `n` layers with an op of the parent's between them, a head; `variant`
     adds what the shortcut must refuse."""
@@ -74,6 +82,14 @@ class Toy(nn.Module):
         if variant == "shared":
             for layer in self.layers:
                 layer.fc = self.layers[0].fc
+        # a per-layer module of kernel functions in a plain dict, as transformers 5 keeps: alike in every
+        # layer, or differing in an attribute, or holding state of its own
+        if variant in ("kernel_funcs", "kernel_funcs_differ", "kernel_funcs_stateful"):
+            for i, layer in enumerate(self.layers):
+                func = KernelFunc(i % 2 if variant == "kernel_funcs_differ" else 0)
+                if variant == "kernel_funcs_stateful":
+                    func.scale = nn.Parameter(torch.ones(()))
+                layer._kernel_funcs = {"rotary": func}
         self.head = nn.Linear(D, 3)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -192,7 +208,16 @@ def test_layers_that_do_not_repeat_are_traced_in_full(variant: str) -> None:
     assert len(model.layers) == 8 and [type(layer.index) for layer in model.layers] == [int] * 8
 
 
-@pytest.mark.parametrize("variant, n", [("alternating", 8), ("shared", 8), ("", repeated.MIN_STACK - 1)])
+def test_stateless_modules_alike_in_a_plain_attribute_still_repeat() -> None:
+    model = _meta(lambda: Toy(variant="kernel_funcs"))
+    assert [s.varying for s in repeated.find_stacks(model)] == [(("", "index"),)]
+    full, fast = _both(model, INPUTS)
+    assert fast.meta[repeated.REPLICATED_KEY] == (repeated.Replicated("layers", 8, repeated.HEAD),)
+    _assert_same_graph(full, fast)
+
+
+@pytest.mark.parametrize("variant, n", [("alternating", 8), ("shared", 8), ("", repeated.MIN_STACK - 1),
+                                        ("kernel_funcs_differ", 8), ("kernel_funcs_stateful", 8)])
 def test_no_stack_when_layers_differ_share_or_are_few(variant: str, n: int) -> None:
     model = _meta(lambda: Toy(n, variant))
     assert repeated.find_stacks(model) == []

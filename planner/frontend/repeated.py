@@ -1,17 +1,17 @@
 """Trace a deep stack of identical layers through a few of them; replicate the rest in the graph.
 
-Tracing time grows with the number of operators, and a transformer is mostly one layer repeated: the
-80 layers of Llama-70B take about fifteen times as long to export as 5 of them. A *stack* is an
-`nn.ModuleList` or `nn.Sequential` of at least MIN_STACK interchangeable children: same classes,
-parameter and buffer shapes and dtypes, equal attributes, no hooks, no parameter shared with another
-module. Only a position-like integer attribute (`layer_idx = i`) may differ, and the trace must not
-read it: its values are watched while tracing. The stack is shortened in place to its first HEAD
-children, traced, and restored; planner/replicate.py then checks that the traced layers repeat
-exactly and writes the graph of the whole model, the graph torch.export gives for it
-(tests/test_frontend_repeated.py compares both). When a check fails the caller traces the model in
-full. What no check sees: control flow in the parent's loop that singles out middle layers by their
-loop index (`if i >= 40: ...`); the shortened trace never reaches such a layer. The emitted program
-does not depend on this graph: it traces its stages in full itself.
+Tracing time grows with the number of operators, and a transformer is mostly one layer repeated: the 80
+layers of Llama-70B take about fifteen times as long to export as 5 of them. A *stack* is an `nn.ModuleList`
+or `nn.Sequential` of at least MIN_STACK interchangeable children: same classes, parameter and buffer shapes
+and dtypes, equal attributes (containers element by element, a module held in a plain attribute alike and
+stateless), no hooks, no parameter shared with another module. Only a position-like integer attribute
+(`layer_idx = i`) may differ, and the trace must not read it: its values are watched while tracing. The
+stack is shortened in place to its first HEAD children, traced, and restored; planner/replicate.py then
+checks that the traced layers repeat exactly and writes the graph of the whole model, the graph torch.export
+gives for it (tests/test_frontend_repeated.py compares both). When a check fails the caller traces the model
+in full. What no check sees: control flow in the parent's loop that singles out middle layers by their loop
+index (`if i >= 40: ...`); the shortened trace never reaches such a layer. The emitted program does not
+depend on this graph: it traces its stages in full itself.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ STATE_ATTRS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_s
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks", "_is_full_backward_hook", *HOOK_DICTS}
+ATTRIBUTE_DEPTH = 4         # containers and stateless modules compared inside a child's attributes
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,36 @@ class Replicated:
 
 # ----- finding stacks --------------------------------------------------------------------------------
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False            # a plain tensor attribute: only the very same tensor is the same
+    if type(a) is not type(b) or depth > ATTRIBUTE_DEPTH:
+        return False
+    if isinstance(a, nn.Module):
+        return _same_stateless_module(a, b, depth + 1)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k], depth + 1) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
     try:
         equal = a == b
     except Exception:           # objects that cannot compare are different
         return False
     return equal if isinstance(equal, bool) else False
+
+
+def _same_stateless_module(a: nn.Module, b: nn.Module, depth: int) -> bool:
+    """Two modules held in a plain attribute (not registered: transformers 5 keeps a per-layer module of
+    kernel functions in a dict): the same when neither holds parameters or buffers and they are alike in
+    structure and attributes. One with state is only ever the very same module."""
+    da, db = _describe(a), _describe(b)
+    if da is None or db is None or da[0] != db[0] or [k for k, _ in da[1]] != [k for k, _ in db[1]]:
+        return False
+    if any(True for _ in a.parameters()) or any(True for _ in a.buffers()):
+        return False
+    return all(_same(x, y, depth) for (_, x), (_, y) in zip(da[1], db[1]))
 
 
 def _describe(child: nn.Module) -> tuple[tuple[Any, ...], list[tuple[tuple[str, str], Any]]] | None:
