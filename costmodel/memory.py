@@ -13,7 +13,8 @@ per-rank estimate assembly records, and `passes.verify.verify_plan`:
 
 from __future__ import annotations
 
-from typing import TypeVar, overload
+from collections.abc import Sequence
+from typing import Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -36,6 +37,28 @@ def state_bytes(param_bytes_fp32: float, precision: str) -> float:
 def activation_bytes(stash_bytes_fp32_per_sample: float, precision: str, micro_batch: int,
                      in_flight: int) -> float:
     return stash_bytes_fp32_per_sample * C.BYTES_PER_ELEMENT[precision] / 4.0 * micro_batch * in_flight
+
+
+# What a backward holds at once beyond the activations kept for it: the gradient of an op's output and of its
+# input, twice the stage's largest op output per micro-batch (measured by benchmarks/activation_memory.py on
+# the tuned gpt and hf_llama; the other models held out).
+BACKWARD_TRANSIENT_OUTPUTS = 2.0
+
+
+def backward_transient_bytes(largest_output_bytes: float) -> float:
+    """The backward's working set for a stage whose largest op output is `largest_output_bytes`."""
+    return BACKWARD_TRANSIENT_OUTPUTS * largest_output_bytes
+
+
+def kept_activation_bytes(kept_bytes: float, stage_input_bytes: float, transient_bytes: float, micro_batch: int,
+                          in_flight: int, recompute: bool) -> float:
+    """Activations a stage holds at its peak, from its per-sample figures: what its blocks keep for the
+    backward (`kept_bytes`) for every micro-batch in flight, or, recomputing, each one's stage input
+    (`stage_input_bytes`) and one micro-batch's kept activations while it is recomputed; and the backward's
+    working set (`transient_bytes`) for one micro-batch."""
+    if not recompute:
+        return (kept_bytes * in_flight + transient_bytes) * micro_batch
+    return (stage_input_bytes * in_flight + kept_bytes + transient_bytes) * micro_batch
 
 
 def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
@@ -70,6 +93,33 @@ def gradient_transient_bytes(largest_param_bytes_fp32: float) -> float:
     twice. The model's largest parameter tensor bounds it on every stage (an embedding or an LM head:
     a few percent of a stage's state); measured on a 374M-parameter Llama's head, benchmarks/memory_scale.py."""
     return largest_param_bytes_fp32
+
+
+class BlockFigures(Protocol):
+    """A plan's record of a block (planner.core.ir.BlockInfo): its bytes at the trace batch, in fp32."""
+
+    @property
+    def activation_bytes(self) -> float: ...
+    @property
+    def boundary_bytes(self) -> float: ...
+    @property
+    def transient_bytes(self) -> float: ...
+    @property
+    def output_bytes(self) -> float: ...
+
+
+def stage_activation_figures(blocks: Sequence[BlockFigures], first: int, last: int, precision: str,
+                             trace_batch: int) -> tuple[float, float, float]:
+    """(kept, stage input, working set) per sample of a plan's stage of blocks first..last, at its precision,
+    as the cost tables count them (costmodel.tables): the loss's memory on the stage holding the last block,
+    the largest boundary of the model as what recomputing keeps of each micro-batch."""
+    scale = C.BYTES_PER_ELEMENT[precision] / 4.0 / trace_batch
+    own = blocks[first:last + 1]
+    kept = sum(b.activation_bytes for b in own)
+    if last == len(blocks) - 1:
+        kept += loss_bytes(blocks[-1].output_bytes)
+    stage_input = max(b.boundary_bytes for b in blocks)
+    return kept * scale, stage_input * scale, max((b.transient_bytes for b in own), default=0.0) * scale
 
 
 def capacity_bytes(memory_bytes: float, margin: float) -> float:

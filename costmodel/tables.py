@@ -44,6 +44,9 @@ class ClassTable:
     # hop), where it is not the intra link's point-to-point figures (costmodel.calibrated.collective_link)
     collective: tuple[float, float] | None = None
     zero_group: int = 1              # optimizer state sharded over >= this many replicas (costmodel.sharded_state)
+    # per block, per sample: the backward's working set where the block is a stage's largest (memory.
+    # backward_transient_bytes); a stage holds its blocks' largest once per micro-batch. () in synthetic tables: none
+    transient_bytes: tuple[float, ...] = ()
 
     @property
     def intra_link(self) -> Link:
@@ -112,6 +115,8 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         if blocks:      # the loss runs after the last block, on the last stage: its memory is that block's
             act = act[:-1] + (act[-1] + memory.loss_bytes(output_bytes(blocks[-1]) * byte_scale / trace_batch),)
         boundary = tuple(b.boundary_bytes * byte_scale / trace_batch for b in blocks)
+        working = tuple(memory.backward_transient_bytes(b.largest_output_bytes) * byte_scale / trace_batch
+                        for b in blocks)
         opt = tuple(compute.optimizer_step_s(b.param_bytes, len(b.params), dev, calibration) for b in blocks)
         if calibration is not None and calibration.matches(dev):
             opt = calibrated.with_step_costs(opt, blocks, global_batch, calibration)
@@ -123,7 +128,7 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
             per_node=group.per_node, num_nodes=group.count, precision=prec, capacity_bytes=capacity,
             framework_bytes=memory.framework_bytes(dev, calibration) + transient,
             fwd_s=fwd, bwd_s=bwd, overhead_s=over, state_bytes=state, act_bytes=act,
-            boundary_bytes=boundary, optimizer_s=opt,
+            boundary_bytes=boundary, optimizer_s=opt, transient_bytes=working,
             intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,
             intra_latency_s=intra.latency_s, price_per_hour=dev.price_per_hour,
             collective=None if ring is None else (ring.bandwidth_bytes_s, ring.latency_s)))

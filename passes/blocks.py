@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from passes.annotate import COST_KEY, PARAM_BYTES_KEY
 from passes.base import Pass, PassResult
+from passes.saved import KEPT_KEY, trainable_dependent
 from planner.core.blocks import Block
 from planner.core.errors import PassError
 
@@ -42,23 +43,6 @@ def _common_depth(a: fx.Node, b: fx.Node) -> int:
             break
         depth += 1
     return depth
-
-
-def trainable_dependent(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes whose value depends on a trainable parameter (the activations proper).
-
-    Values computed from the inputs alone (masks, rotary tables, positions) are context that every
-    later layer reads; they do not make a point a worse place to cut, so cut search ignores them.
-    """
-    dependent: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op == "get_attr":
-            val = n.meta.get("val")
-            if getattr(val, "requires_grad", False):
-                dependent.add(n)
-        elif n.op != "placeholder" and any(a in dependent for a in n.all_input_nodes):
-            dependent.add(n)
-    return dependent
 
 
 def live_after(nodes: list[fx.Node], count_only: set[fx.Node] | None = None) -> tuple[list[int], list[float]]:
@@ -149,6 +133,8 @@ class Blocks(Pass):
     def requires(self, gm: fx.GraphModule) -> None:
         if any(COST_KEY not in n.meta for n in compute_nodes(gm.graph)):
             raise PassError("blocks needs the annotate pass first", fix="run Annotate before Blocks")
+        if any(KEPT_KEY not in n.meta for n in compute_nodes(gm.graph)):
+            raise PassError("blocks needs the saved pass first", fix="run SavedActivations before Blocks")
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         nodes = compute_nodes(gm.graph)
@@ -175,7 +161,7 @@ class Blocks(Pass):
                 index=b, first_node=members[0].name, last_node=members[-1].name, label=label,
                 ops=tuple(n.meta[COST_KEY] for n in members), params=tuple(params),
                 param_sizes=param_sizes, boundary_bytes=sizes[last] if last < len(nodes) - 1 else 0.0,
-                signature=_signature(members)))
+                signature=_signature(members), activation_bytes=sum(n.meta[KEPT_KEY].bytes for n in members)))
         gm.meta[BLOCKS_KEY] = blocks
         return PassResult(gm, True)
 

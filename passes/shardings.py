@@ -10,9 +10,9 @@ whose pairs span block boundaries gets none (a cut inside a pair would send a sh
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
+from passes.saved import KEPT_KEY
 from passes.tensor_parallel import TPLayout, find_regions
 from passes.tensor_parallel.costs import block_cost
 from planner.core.blocks import Block, BlockSharding
@@ -37,9 +37,16 @@ def block_shardings(gm: fx.GraphModule, blocks: list[Block],
         names = order[position[b.first_node]:position[b.last_node] + 1]
         cost = block_cost(gm, layout, names)
         regions = [r for r in layout.regions if any(row in set(names) for row in r.rows)]
-        kept = [by_name[n] for n in names if by_name[n].op == "call_function"]
-        act_all = sum(_bytes(n) for n in kept)
-        act_in = sum(_bytes(n) for n in kept if n.name in in_region)
+        # what the block keeps for its backward (passes.saved): a kept value splits where a pair made it, an
+        # op's own kept tensors (attention's log-sum-exp) where the op is inside a pair
+        act_all = act_in = 0.0
+        for name in names:
+            kept = by_name[name].meta.get(KEPT_KEY)
+            if kept is None:
+                continue
+            act_all += kept.bytes
+            act_in += (kept.internal_bytes if name in in_region else 0.0) + \
+                sum(nbytes for maker, nbytes in kept.values if maker in in_region)
         out.append(BlockSharding(
             degrees=degrees, sharded_params=tuple(p for p in b.params if p in specs),
             sharded_param_bytes=float(cost.sharded_param_bytes),
@@ -62,8 +69,3 @@ def _crosses_a_cut(gm: fx.GraphModule, layout: TPLayout, blocks: list[Block]) ->
         if computed and any(min(computed) <= end < max(computed) for end in ends):
             return True
     return False
-
-
-def _bytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0

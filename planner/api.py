@@ -33,6 +33,7 @@ from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Blocks
 from passes.comm import verify_comm
 from passes.comm.inputs import trace_splits, traced_inputs
+from passes.saved import SavedActivations
 from passes.shardings import block_shardings
 from passes.stage_check import check_batch_norm_rows, check_plan_stages, training_notes
 from passes.verify import verify_plan
@@ -105,7 +106,8 @@ def analyse(gm: fx.GraphModule, meta_inputs: tuple[Any, ...], max_blocks: int = 
             dump_dir: Path | None = None) -> PassManager:
     """Run the analysis passes (shapes, costs, blocks) on `gm`, writing the graph after each to
     `dump_dir` when given; returns the manager that ran them, which holds each pass's time."""
-    manager = PassManager([MetaShapes(meta_inputs), Annotate(), Blocks(max_blocks)], dump_dir=dump_dir)
+    manager = PassManager([MetaShapes(meta_inputs), Annotate(), SavedActivations(), Blocks(max_blocks)],
+                          dump_dir=dump_dir)
     manager.run(gm)
     return manager
 

@@ -22,7 +22,7 @@ from tests.helpers import CLUSTERS, EXAMPLES
 
 GPT = EXAMPLES / "gpt" / "model.py"
 CLUSTER = CLUSTERS / "cpu-hetero-4.yaml"
-PASSES = ["meta_shapes", "annotate", "blocks"]
+PASSES = ["meta_shapes", "annotate", "saved", "blocks"]
 OPTIONS = PlanOptions(global_batch=8, runners_up=False)
 
 
@@ -33,12 +33,14 @@ def test_dump_ir_writes_each_pass_and_the_costed_problem_and_changes_no_plan(tmp
     passes = [f"{i + 1:03d}_{name}.txt" for i, name in enumerate(PASSES)]
     assert sorted(p.name for p in dump.iterdir()) == sorted([*passes, CANDIDATES_FILE, COSTED_PROBLEM_FILE])
 
-    shapes, costs, blocks = ((dump / name).read_text() for name in passes)
-    # each pass's records show from its own dump on: values first, costs after annotate, blocks last
+    shapes, costs, kept, blocks = ((dump / name).read_text() for name in passes)
+    # each pass's records show from its own dump on: values first, costs after annotate, kept bytes after saved,
+    # blocks last
     assert "\ninput_ids: val=int64[2, 32]\n" in shapes and "hetplan.cost=" not in shapes    # the trace batch: 2
-    assert "hetplan.cost=OpCount(op_class='matmul'" in costs and "hetplan.blocks" not in costs
+    assert "hetplan.cost=OpCount(op_class='matmul'" in costs and "hetplan.kept_bytes" not in costs
+    assert "hetplan.kept_bytes=Kept(values=" in kept and "hetplan.blocks" not in kept
     assert f"hetplan.blocks: {len(dumped.blocks)} items" in blocks and "hetplan.block=0" in blocks
-    assert blocks.startswith("# after pass 3 `blocks` (modified: True)\ngraph():")
+    assert blocks.startswith("# after pass 4 `blocks` (modified: True)\ngraph():")
 
     # the costed problem is every number the search reads: it reads back equal to the tables (the
     # compression table too), and the search run on the file alone finds the plan's objective
@@ -66,7 +68,7 @@ def test_a_failed_search_still_leaves_its_dumps(tmp_path):
     dump = tmp_path / "ir"
     with pytest.raises(PlanningError):
         plan(GPT, CLUSTER, PlanOptions(global_batch=8, stages=64), RunControls(dump_ir_dir=dump))
-    assert (dump / "003_blocks.txt").is_file() and (dump / COSTED_PROBLEM_FILE).is_file()
+    assert (dump / "004_blocks.txt").is_file() and (dump / COSTED_PROBLEM_FILE).is_file()
     assert (dump / CANDIDATES_FILE).read_text().startswith("0 candidate configurations")
 
 

@@ -177,5 +177,6 @@ def test_recorded_memory_is_the_need_the_split_checked_with_the_calibrated_frame
             rows = replica.micro_batch_sizes[0]
             state = sum(table.state_bytes[b] for b in blocks)
             act = sum(table.act_bytes[b] for b in blocks) * rows * in_flight
+            act += max(table.transient_bytes[b] for b in blocks) * rows       # one micro-batch's backward
             assert not st.recompute
             assert p.estimates.memory_bytes[st.rank] == pytest.approx(state + act + measured, rel=1e-12)

@@ -24,16 +24,12 @@ def memory_parts(plan: Plan, rank: int, spec: ClusterSpec | None) -> tuple[float
     weights = params_fp32 * (1.0 + (C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if stage.precision != "fp32" else 0.0))
     gradients = params_fp32
     optimizer = params_fp32 * (C.ADAMW_STATE_FACTOR - 2.0)      # AdamW's two moments
-    byte_scale = C.BYTES_PER_ELEMENT[stage.precision] / 4.0 / plan.inputs.trace_batch
     micro = max(replica.micro_batch_sizes)
     in_flight = memory.in_flight_micro_batches(replica.schedule, stage.index, len(replica.stages),
                                                len(replica.micro_batch_sizes))
-    kept = sum(b.activation_bytes for b in blocks) * byte_scale
-    if stage.recompute:
-        stage_input = max(b.boundary_bytes for b in plan.blocks) * byte_scale
-        activations = (stage_input * in_flight + kept) * micro
-    else:
-        activations = kept * micro * in_flight
+    kept, stage_input, working = memory.stage_activation_figures(plan.blocks, stage.first_block, stage.last_block,
+                                                                 stage.precision, plan.inputs.trace_batch)
+    activations = memory.kept_activation_bytes(kept, stage_input, working, micro, in_flight, stage.recompute)
     rest = max(plan.estimates.memory_bytes[rank] - (weights + gradients + optimizer + activations), 0.0)
     compressed = any(rank in g.ranks and g.compressor != "none" for g in plan.grad_groups)
     if not compressed or spec is None or stage.device >= spec.num_devices:

@@ -34,10 +34,16 @@ class Block:
     param_sizes: tuple[float, ...]   # bytes of each of those parameters
     boundary_bytes: float            # activations live after the block (what a cut here sends)
     signature: str                   # equal for structurally identical blocks
+    activation_bytes: float          # what autograd keeps of the block for its backward (passes.saved)
 
     @property
     def param_bytes(self) -> float:
         return sum(self.param_sizes)
+
+    @property
+    def largest_output_bytes(self) -> float:
+        """The largest output of the block's computing ops (what its backward holds the gradients of)."""
+        return max((o.out_bytes for o in self.ops if o.op_class != "view"), default=0.0)
 
     @property
     def fwd_flops(self) -> float:
@@ -46,11 +52,6 @@ class Block:
     @property
     def bwd_flops(self) -> float:
         return sum(o.bwd_flops for o in self.ops)
-
-    @property
-    def activation_bytes(self) -> float:
-        """Bytes kept for backward: outputs of non-view ops (an upper estimate)."""
-        return sum(o.out_bytes for o in self.ops if o.op_class != "view")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
 """The plan: the typed, versioned IR between the search and the lowering passes.
 
-Frozen dataclasses serialised to JSON with `schema_version`. A plan file alone is enough to
-inspect, simulate, diff and emit. Same inputs give a byte-identical file: nothing here depends on
-wall-clock time (solver timings live in `solve.json` beside it).
+Frozen dataclasses serialised to JSON with `schema_version`. A plan file alone is enough to inspect, simulate,
+diff and emit. Same inputs give a byte-identical file: nothing here depends on wall-clock time (`solve.json`).
 
-Fields added after a schema's first release are marked `OPTIONAL`: written only when they differ from
-their default, so a plan that uses none of them reads byte for byte as before, and a file without
-them loads with the default.
+Fields added after a schema's first release are marked `OPTIONAL`: written only when they differ from their
+default, so a plan that uses none of them reads byte for byte as before, and a file without them loads with
+the default.
 """
 
 from __future__ import annotations
@@ -37,9 +36,11 @@ class BlockInfo:
     fwd_flops: float
     bwd_flops: float
     param_bytes: float
-    activation_bytes: float
+    activation_bytes: float       # what autograd keeps of the block for its backward (trace batch, fp32)
     boundary_bytes: float
     signature: str
+    transient_bytes: float = field(default=0.0, metadata=OPTIONAL)   # its backward's working set (costmodel.memory)
+    output_bytes: float = field(default=0.0, metadata=OPTIONAL)      # the last block's: the model's output
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,7 @@ class Estimates:
     capacity_bytes: tuple[float, ...]    # per rank
     busy_s: tuple[float, ...]            # per rank
     cost_per_sample: float | None = None
-    # a rank fits when memory_bytes <= capacity_bytes x (1 - memory_margin) (costmodel.memory.fits);
-    # the default is costmodel.constants.DEFAULT_MEMORY_MARGIN
+    # a rank fits when memory_bytes <= capacity_bytes x (1 - memory_margin) (costmodel.memory.fits)
     memory_margin: float = field(default=0.1, metadata=OPTIONAL)
 
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from costmodel import compression, compute, memory
-from costmodel.tables import CostTables
+from costmodel.tables import CostTables, output_bytes
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec, Device
 from planner.core.errors import PlanningError
@@ -275,7 +275,9 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
     facts = SolverFacts(strategy, solution.status, solution.objective_s, solution.bound_s, max(gap, 0.0),
                         solution.configurations)
     block_infos = tuple(BlockInfo(b.index, b.first_node, b.last_node, b.label, b.fwd_flops, b.bwd_flops,
-                                  b.param_bytes, b.activation_bytes, b.boundary_bytes, b.signature)
+                                  b.param_bytes, b.activation_bytes, b.boundary_bytes, b.signature,
+                                  memory.backward_transient_bytes(b.largest_output_bytes),
+                                  output_bytes(b) if b.index == len(blocks) - 1 else 0.0)
                         for b in blocks)
     return Plan(inputs=inputs, global_batch=tables.global_batch, world_size=world, blocks=block_infos,
                 replicas=tuple(replica_plans), grad_groups=tuple(grad_groups), p2p=tuple(p2p),

@@ -33,6 +33,7 @@ class LaneArrays:
     pre_recompute_s: np.ndarray    # (N+1,) the same with the forward run twice
     pre_state_bytes: np.ndarray    # (N+1,) cumulative training state
     pre_act_bytes: np.ndarray      # (N+1,) cumulative activations of one micro-batch
+    transient_bytes: np.ndarray    # (N,) the backward's working set of one micro-batch where a block is the largest
     cut_s: list[np.ndarray]        # per cut: (N,) both transfers when that block ends the stage
     stage_input_bytes: float       # the largest boundary of one micro-batch (what recompute keeps)
     framework_bytes: float
@@ -90,6 +91,10 @@ class _Square:
         self.range_recompute_s = diff(ln.pre_recompute_s) if ln.recompute else self.range_s
         self.state = diff(ln.pre_state_bytes)
         self.act = diff(ln.pre_act_bytes)
+        # the largest working set over each range: row `start`, column `end` is the max over blocks start..end-1
+        n = len(ln.transient_bytes)
+        ends = np.where(np.arange(n)[None, :] >= np.arange(n + 1)[:, None], ln.transient_bytes[None, :], 0.0)
+        self.working = np.concatenate([np.zeros((n + 1, 1)), np.maximum.accumulate(ends, axis=1)], axis=1)
 
     def stage(self, s: int, num_stages: int, width: int) -> tuple[np.ndarray, np.ndarray]:
         """Stage s's time and whether it fits over its window of (start, end) (rows: starts s..,
@@ -99,10 +104,11 @@ class _Square:
         rows, cols = slice(s, s + width), slice(s + 1, s + width + 1)
         cut = ln.cut_s[s][s:s + width][None, :] if s < num_stages - 1 else 0.0
         lane_s = self.range_s[rows, cols] + cut
-        state, act = self.state[rows, cols], self.act[rows, cols]
-        lane_fits = memory.fits(memory.need_bytes(state, act * in_flight, ln.framework_bytes), ln.capacity_bytes)
+        state, act, working = self.state[rows, cols], self.act[rows, cols], self.working[rows, cols]
+        lane_fits = memory.fits(memory.need_bytes(state, act * in_flight + working, ln.framework_bytes),
+                                ln.capacity_bytes)
         if ln.recompute:   # as split.costs_per_stage: recompute exactly where plain does not fit
             lane_s = np.where(lane_fits, lane_s, self.range_recompute_s[rows, cols] + cut)
-            kept = memory.need_bytes(state + act, ln.stage_input_bytes * in_flight, ln.framework_bytes)
+            kept = memory.need_bytes(state + act + working, ln.stage_input_bytes * in_flight, ln.framework_bytes)
             lane_fits = lane_fits | memory.fits(kept, ln.capacity_bytes)
         return lane_s, lane_fits

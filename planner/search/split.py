@@ -91,17 +91,15 @@ def _phases_s(fwd_sum: float, bwd_sum: float, overhead: float, micro_batch: int,
 
 def kept_activation_bytes(table: ClassTable, blocks: range, micro_batch: int, in_flight: int,
                           recompute: bool) -> float:
-    """Activations a stage holds at peak: all in-flight micro-batches' (no recompute), or their
-    stage inputs plus one micro-batch being recomputed."""
-    return _kept_bytes(_over(table.act_bytes, blocks), max(table.boundary_bytes) if recompute else 0.0,
-                       micro_batch, in_flight, recompute)
+    """Activations a stage holds at peak (costmodel.memory.kept_activation_bytes) on this class's figures."""
+    return memory.kept_activation_bytes(_over(table.act_bytes, blocks), max(table.boundary_bytes) if recompute else 0.0,
+                                        stage_transient_bytes(table, blocks.start, blocks.stop), micro_batch,
+                                        in_flight, recompute)
 
 
-def _kept_bytes(act_sum: float, stage_input: float, micro_batch: int, in_flight: int, recompute: bool) -> float:
-    """kept_activation_bytes from the blocks' summed activations and the largest stage input."""
-    if not recompute:
-        return act_sum * micro_batch * in_flight
-    return (stage_input * in_flight + act_sum) * micro_batch
+def stage_transient_bytes(table: ClassTable, lo: int, hi: int) -> float:
+    """The backward's working set per sample of a stage of blocks lo..hi-1: its largest block's."""
+    return max(table.transient_bytes[lo:hi], default=0.0)
 
 
 def _over(values: tuple[float, ...], blocks: range) -> float:
@@ -149,11 +147,14 @@ def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], mic
     for s, table in enumerate(stage_tables):
         lo, hi = bounds[s], bounds[s + 1]
         state, act = sum(table.state_bytes[lo:hi]), sum(table.act_bytes[lo:hi])
-        mem = memory.need_bytes(state, _kept_bytes(act, 0.0, micro_batch, S - s, False), table.framework_bytes)
+        working = stage_transient_bytes(table, lo, hi)
+        mem = memory.need_bytes(state, memory.kept_activation_bytes(act, 0.0, working, micro_batch, S - s, False),
+                                table.framework_bytes)
         stage_recompute = recompute and not memory.fits(mem, table.capacity_bytes)
         if stage_recompute:
             largest = stage_input.setdefault(id(table), max(table.boundary_bytes))
-            mem = memory.need_bytes(state, _kept_bytes(act, largest, micro_batch, S - s, True), table.framework_bytes)
+            mem = memory.need_bytes(state, memory.kept_activation_bytes(act, largest, working, micro_batch, S - s,
+                                                                        True), table.framework_bytes)
         fwd, bwd = _phases_s(sum(table.fwd_s[lo:hi]), sum(table.bwd_s[lo:hi]), sum(table.overhead_s[lo:hi]),
                              micro_batch, stage_recompute)
         if s < S - 1:
@@ -191,15 +192,18 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
     for s in range(S):
         in_flight = S - s
         plain, recomputed = 0.0, stage_input * in_flight     # a stage's memory kept each way so far
+        working = 0.0                                        # and its backward's working set
         start = b
         while b < N:
             act = table.act_bytes[b] * micro_batch
             next_plain = plain + table.state_bytes[b] + act * in_flight
             next_recomputed = recomputed + table.state_bytes[b] + act
+            next_working = max(working, stage_transient_bytes(table, b, b + 1) * micro_batch)
             kept = min(next_plain, next_recomputed) if recompute else next_plain   # state + activations
-            if not memory.fits(memory.need_bytes(kept, 0.0, table.framework_bytes), table.capacity_bytes):
+            if not memory.fits(memory.need_bytes(kept + next_working, 0.0, table.framework_bytes),
+                               table.capacity_bytes):
                 break
-            plain, recomputed = next_plain, next_recomputed
+            plain, recomputed, working = next_plain, next_recomputed, next_working
             b += 1
         if b == start and b < N:
             return False
@@ -269,6 +273,7 @@ def _lane_arrays(ln: _Lane) -> LaneArrays:
         pre_recompute_s=np.concatenate([[0.0], np.cumsum(block_t_rec)]),
         pre_state_bytes=np.concatenate([[0.0], np.cumsum(t.state_bytes)]),
         pre_act_bytes=np.concatenate([[0.0], np.cumsum(t.act_bytes)]) * m,
+        transient_bytes=(np.asarray(t.transient_bytes, dtype=float) if t.transient_bytes else np.zeros(N)) * m,
         cut_s=[_cut_times_s(link, boundary, element_bytes(t)) * ln.scale for link in ln.links],
         stage_input_bytes=max(t.boundary_bytes) * m, framework_bytes=t.framework_bytes,
         capacity_bytes=t.capacity_bytes, recompute=ln.recompute)

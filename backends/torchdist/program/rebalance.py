@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from costmodel import constants as C
 from costmodel import memory as cost_memory
 from passes import comm
 from passes.comm.inputs import model_params, split_inputs
@@ -85,16 +84,12 @@ def planned_compute_s(stage: StagePlan, micro_batch_sizes: tuple[int, ...]) -> f
     return per_row_s * sum(micro_batch_sizes) + stage.overhead_s * len(micro_batch_sizes)
 
 
-def activation_bytes_per_row(plan: Plan, stage: StagePlan) -> float:
-    """The activations a stage keeps per row of a micro-batch, as the planner's cost tables count them
-    (costmodel.tables: the blocks' bytes at the trace batch, in the stage's precision); the loss on the
-    model's last stage counted on its last block's activations, which hold the model's output."""
-    scale = C.BYTES_PER_ELEMENT[stage.precision] / C.BYTES_PER_ELEMENT["fp32"] / plan.inputs.trace_batch
-    blocks = plan.blocks[stage.first_block:stage.last_block + 1]
-    kept = sum(b.activation_bytes for b in blocks) * scale
-    if stage.last_block == len(plan.blocks) - 1:
-        kept += cost_memory.loss_bytes(plan.blocks[-1].activation_bytes * scale)
-    return kept
+def stage_activation_bytes(plan: Plan, stage: StagePlan, micro_batch: int, in_flight: int) -> float:
+    """The activations a stage holds at its peak with `in_flight` micro-batches of `micro_batch` rows, as the
+    planner's cost tables count them (costmodel.memory.stage_activation_figures and kept_activation_bytes)."""
+    kept, stage_input, working = cost_memory.stage_activation_figures(plan.blocks, stage.first_block, stage.last_block,
+                                                                      stage.precision, plan.inputs.trace_batch)
+    return cost_memory.kept_activation_bytes(kept, stage_input, working, micro_batch, in_flight, stage.recompute)
 
 
 def fitting_micro_batches(plan: Plan, replica_index: int) -> tuple[int, ...]:
@@ -107,11 +102,10 @@ def fitting_micro_batches(plan: Plan, replica_index: int) -> tuple[int, ...]:
     out = []
     for size in micro_batch_options(plan.global_batch):
         fits = True
-        for st in replica.stages:
-            in_flight = depth - st.index
-            kept_now = planned * cost_memory.in_flight_micro_batches(replica.schedule, st.index, depth, count)
-            need = plan.estimates.memory_bytes[st.rank] + activation_bytes_per_row(plan, st) * (
-                size * in_flight - kept_now)
+        for st in replica.stages:      # the new size's count may hold S - s in flight, whatever the planned one
+            held_now = cost_memory.in_flight_micro_batches(replica.schedule, st.index, depth, count)
+            need = plan.estimates.memory_bytes[st.rank] + (stage_activation_bytes(plan, st, size, depth - st.index) -
+                                                           stage_activation_bytes(plan, st, planned, held_now))
             usable = cost_memory.capacity_bytes(plan.estimates.capacity_bytes[st.rank], plan.estimates.memory_margin)
             fits &= bool(cost_memory.fits(need, usable))
         if fits and size != planned:
