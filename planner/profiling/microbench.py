@@ -210,6 +210,7 @@ def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: 
     gloo group, so without any transfer; then AdamW step and zero_grad(set_to_none=False). Timed on
     `work_clock`."""
     from backends.torchdist.program.gradsync import GradientSync
+    from backends.torchdist.program.optimizers import make_optimizer
     from planner.core.ir import GradGroup
 
     shapes = ((2, 256), (16, 256), (32, 1024), (4, 65536)) if quick else \
@@ -221,7 +222,7 @@ def measure_update(device: torch.device, quick: bool, repeats: int, solo_group: 
             p.grad = torch.randn_like(p)
         group = GradGroup(0, (dist.get_rank(),), tuple(params), float(tensors * numel * 4), "none", "ring", 0.0)
         sync = GradientSync([group], {0: solo_group}, params) if device.type == "cpu" else None
-        opt = torch.optim.AdamW(list(params.values()), lr=1e-3)
+        opt = make_optimizer("adamw", list(params.values()), 1e-3)     # the program's AdamW
 
         def step(opt: torch.optim.Optimizer = opt, sync: Any = sync) -> None:
             if sync is not None:      # gloo holds CPU tensors; a GPU program syncs with NCCL instead

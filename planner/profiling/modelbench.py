@@ -40,6 +40,7 @@ def measure_model(path: str, device: torch.device, repeats: int, micro_batches: 
     `group` holds the computing workers (`group_ranks`); its all-reduce is the measured sync. The model
     key comes from the planner's own trace on meta (`costmodel.calibration.model_key`)."""
     from backends.torchdist.program.gradsync import GradientSync
+    from backends.torchdist.program.optimizers import make_optimizer
     from costmodel.calibration import model_key
     from planner import frontend
     from planner.api import trace_model_file
@@ -56,7 +57,7 @@ def measure_model(path: str, device: torch.device, repeats: int, micro_batches: 
         p.grad = torch.zeros_like(p)
     sync = GradientSync([GradGroup(0, group_ranks, tuple(params), grad_bytes, "none", "ring", 0.0)],
                         {0: group}, params)
-    optimizer = torch.optim.AdamW(list(params.values()), lr=1e-6)
+    optimizer = make_optimizer("adamw", list(params.values()), 1e-6)     # the program's AdamW
 
     def trace(rows: int) -> Any:
         return frontend.trace(module, frontend.to_device(frontend.example_batch(model_file, rows)[0], device),

@@ -200,7 +200,8 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
     freeze_step = (optimizers.onebit_freeze_step(plan, args.steps) if args.onebit_freeze_step is None
                    else args.onebit_freeze_step)
     optimizer = optimizers.make_stage_optimizer(args.optimizer, executor.parameters(), grad_sync, args.lr,
-                                                onebit_freeze_step=freeze_step)
+                                                onebit_freeze_step=freeze_step,
+                                                loss_scaling=executor.scaler is not None)
     # checkpoints and resume (checkpoint.py, checkpoint_state.py): the state restored in place, then saved
     state = _rank_state(plan, ctx, args, graphs, tensors, optimizer, grad_sync, executor.scaler)
     saver = _checkpointer(ctx, args, fault_set, state.plan_digest)
