@@ -63,8 +63,8 @@ from costmodel.constants import POWERSGD_START_ITER as POWERSGD_START_ITER
 from costmodel.network import ring_allreduce_s
 from costmodel.tables import CostTables
 from planner.core.cluster import DeviceType, Link
-from planner.core.ir import CompressorSettings
-from planner.core.ir import bucket_ranges as bucket_ranges
+from planner.core.plan_records import CompressorSettings
+from planner.core.plan_records import bucket_ranges as bucket_ranges
 
 Shape = tuple[int, ...]
 

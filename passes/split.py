@@ -18,9 +18,9 @@ what the model returns on one process.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -68,6 +68,28 @@ class StageSplit:
         if self.output_spec is None:      # a split made without its model's output tree
             return flat_outputs[0] if self.output_structure == "tensor" else tuple(flat_outputs)
         return tree_unflatten(list(flat_outputs), self.output_spec)
+
+
+class Crossing(Protocol):
+    """A value crossing stage boundaries, as ValueInfo and passes.comm's view of it record it."""
+
+    @property
+    def producer(self) -> int: ...
+    @property
+    def consumers(self) -> tuple[int, ...]: ...
+
+
+def relayed(values: Mapping[str, Crossing], stage: int, num_stages: int) -> tuple[list[str], list[str]]:
+    """The values stage `stage` receives from the stage before and hands to the stage after when values
+    are relayed stage to stage (interleaved 1F1B: each stage talks to its neighbours only, so the messages
+    between two devices run in the order both run their stages): those made before it and read at or after
+    it, and those made at or before it and read after it, by name. Model inputs are read where needed."""
+    def last_reader(v: Crossing) -> int:
+        return max((c for c in v.consumers if c < num_stages), default=-1)
+
+    into = sorted(n for n, v in values.items() if 0 <= v.producer < stage <= last_reader(v))
+    out = sorted(n for n, v in values.items() if 0 <= v.producer <= stage < last_reader(v))
+    return into, out
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

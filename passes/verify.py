@@ -12,17 +12,17 @@ from planner.core.ir import Plan
 def verify_plan(plan: Plan, spec: ClusterSpec | None = None) -> None:
     """Raise PassError (or PlanningError for memory) when the plan breaks an invariant."""
     nblocks = len(plan.blocks)
-    ranks = sorted(rank for r in plan.replicas for st in r.stages for rank in st.ranks)
+    ranks = sorted(rank for r in plan.replicas for st in r.device_stages for rank in st.ranks)
     if ranks != list(range(plan.world_size)):
         raise PassError(f"ranks {ranks} are not 0..{plan.world_size - 1}", fix="report this plan")
-    devices = [d for r in plan.replicas for st in r.stages for _, d, _ in st.rank_devices()]
+    devices = [d for r in plan.replicas for st in r.device_stages for _, d, _ in st.rank_devices()]
     if len(set(devices)) != len(devices):
         raise PassError("a device serves two stages", fix="report this plan")
     if sum(r.batch_share for r in plan.replicas) != plan.global_batch:
         raise PassError(f"batch shares {[r.batch_share for r in plan.replicas]} do not sum to "
                         f"{plan.global_batch}", fix="report this plan")
     holders: dict[tuple[str, int], set[int]] = {}     # (parameter, tensor-parallel lane) -> ranks
-    schedules_checked: set[tuple[str, int, int]] = set()
+    schedules_checked: set[tuple[str, int, int, int]] = set()
     for r in plan.replicas:
         if sum(r.micro_batch_sizes) != r.batch_share or min(r.micro_batch_sizes) < 1:
             raise PassError(f"replica {r.index}: micro-batches {r.micro_batch_sizes} do not cover its share",
@@ -31,8 +31,15 @@ def verify_plan(plan: Plan, spec: ClusterSpec | None = None) -> None:
             raise PassError(f"replica {r.index}: stages of tensor-parallel degrees "
                             f"{sorted({st.tp_degree for st in r.stages})}, the plan's is {plan.tp_degree}",
                             fix="report this plan")
+        if (r.chunks > 1) != (r.schedule == "interleaved") or r.chunks < 1 or len(r.stages) % r.chunks:
+            raise PassError(f"replica {r.index}: {len(r.stages)} stages in {r.chunks} per device under "
+                            f"{r.schedule}", fix="report this plan")
         expected = 0
         for st in r.stages:
+            home = r.device_stages[st.index % len(r.device_stages)]
+            if (st.ranks, st.device) != (home.ranks, home.device):
+                raise PassError(f"replica {r.index} stage {st.index} runs on ranks {list(st.ranks)}, its device's "
+                                f"stages on {list(home.ranks)}", fix="report this plan")
             if st.first_block != expected or st.last_block < st.first_block:
                 raise PassError(f"replica {r.index} stage {st.index} covers blocks "
                                 f"{st.first_block}..{st.last_block}, expected to start at {expected}")
@@ -45,11 +52,11 @@ def verify_plan(plan: Plan, spec: ClusterSpec | None = None) -> None:
                     holders.setdefault((p, lane), set()).add(rank)
         if expected != nblocks:
             raise PassError(f"replica {r.index} covers {expected} of {nblocks} blocks", fix="report this plan")
-        shape = (r.schedule, len(r.stages), len(r.micro_batch_sizes))
+        shape = (r.schedule, len(r.stages), len(r.micro_batch_sizes), r.chunks)
         if shape not in schedules_checked:     # the schedule depends on these alone
-            sched.check(sched.make(*shape), shape[2])
+            sched.check(sched.make(*shape), shape[2], shape[3])
             schedules_checked.add(shape)
-    lane_of = {rank: lane for r in plan.replicas for st in r.stages for lane, rank in enumerate(st.ranks)}
+    lane_of = {rank: lane for r in plan.replicas for st in r.device_stages for lane, rank in enumerate(st.ranks)}
     grouped: dict[tuple[str, int], set[int]] = {}
     for g in plan.grad_groups:
         for p in g.params:

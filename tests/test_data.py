@@ -250,7 +250,7 @@ def test_stage_needs_and_meta_inputs_on_the_planned_split(token_plan, token_file
     assert [(t.device.type, t.dtype, tuple(t.shape)) for t in meta] == [("meta", torch.int64, (4, 32))]
     module = frontend.build_on_meta(model_file)
     split = split_stages(frontend.trace(module, meta), [s.last_node for s in token_plan.replicas[0].stages])
-    first, last = data.stage_needs(split, 0, False), data.stage_needs(split, 1, True)
+    first, last = data.stage_needs(split, [0], False), data.stage_needs(split, [1], True)
     assert first == rows.Needs(inputs=True, target=False)
     assert last.target
     assert last.inputs == any(n in split.model_inputs for n in split.stages[1].inputs)

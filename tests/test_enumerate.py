@@ -104,16 +104,16 @@ def _brute_force_ns(tabs: CostTables, configs: list[candidates.Config]) -> int |
             pipe = max(it.time_ns for it in used)
             for one_node in (False, True):
                 if one_node:
-                    classes = {ci for shape in split_of for ci in shape}
-                    if len(classes) > 1 or sum(len(configs[it.config].shape) for it in used) > \
+                    classes = {ci for shape in split_of for ci in shape if ci >= 0}
+                    if len(classes) > 1 or sum(candidates.shape_devices(configs[it.config].shape) for it in used) > \
                             tabs.classes[next(iter(classes))].per_node:
                         continue
 
                 def link(ci: int, one_node: bool = one_node) -> Link:
                     t = tabs.classes[ci]
                     return Link("intra", t.intra_bandwidth_bytes_s, t.intra_latency_s) if one_node else inter
-                sync = max(to_ns(split_sync_s(tabs, s[0], b, [grid_R], link(s[0]),
-                                              overlap_of(tabs, configs, s, b))[0]) for s, b in split_of.items())
+                sync = max(to_ns(split_sync_s(tabs, s[0], b, [grid_R], link(s[0]), overlap_of(tabs, configs, s, b),
+                                              chunks=candidates.shape_chunks(s))[0]) for s, b in split_of.items())
                 if best is None or pipe + sync < best:
                     best = pipe + sync
     return best
@@ -147,7 +147,7 @@ def test_one_node_regime_fits_the_whole_class_in_one_node():
     sol = ilp.solve_regime(tabs, configs, items, True, SolverSettings(work_limit_s=10.0))
     assert sol is not None
     for ci, table in enumerate(tabs.classes):
-        devices = sum(c.replicas * c.config.num_stages for c in sol.choices if c.config.cls == ci)
+        devices = sum(c.replicas * len(c.config.device_classes) for c in sol.choices if c.config.cls == ci)
         assert devices <= table.per_node
     assert ilp.solve(tabs, configs).objective_s == pytest.approx(solve_exact(tabs, configs).objective_s,
                                                                  rel=TOLERANCE)

@@ -138,6 +138,8 @@ MALFORMED = [  # (case, edit of the plan's data, words of the line)
     ("shares_do_not_sum", _set(("global_batch",), 9), ["invariant", "batch shares"]),
     ("memory_over_capacity", _set(("estimates", "memory_bytes", 0), 1e30), ["invariant"]),
     ("unknown_schedule", _set(("replicas", 0, "schedule"), "zigzag"), ["schedule"]),
+    ("chunks_without_interleaving", _set(("replicas", 0, "chunks"), 2), ["replicas[0].chunks", "stages per device"]),
+    ("interleaved_without_chunks", _set(("replicas", 0, "schedule"), "interleaved"), ["replicas[0].chunks"]),
     ("no_replicas", _set(("replicas",), []), ["no replicas"]),
     ("short_devices", _set(("devices",), []), ["devices"]),
     ("top_level_list", lambda d: d.clear(), ["schema_version"]),

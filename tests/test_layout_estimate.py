@@ -159,6 +159,7 @@ ROUND_TRIPS = {
     "uniform": (MLP, HETERO, {"strategy": "uniform"}),
     "hetero-uneven": (MLP, HETERO, {"use_all_devices": True}),
     "tp2": (GPT, CPU4, {"tp": 2}),
+    "interleaved": (GPT, CPU4, {"schedule": "interleaved", "stages": 4}),
 }
 
 
@@ -303,6 +304,9 @@ def test_layout_the_model_or_cluster_lacks(tmp_path, mlp_hetero, text, field):
     ("replicas: [{devices: fast, stages: [{rows: 0-1}]}]", "replicas[0].stages[0].rows"),
     ("replicas: [{devices: [fast, slow], stages: 3}]", "replicas[0].devices"),
     ("replicas: [{devices: fast, schedule: zigzag}]", "replicas[0].schedule"),
+    ("replicas: [{devices: fast, stages: 4, chunks: 2, schedule: 1f1b}]", "replicas[0].chunks"),
+    ("replicas: [{devices: fast, stages: 3, chunks: 2}]", "replicas[0].chunks"),
+    ("replicas: [{devices: fast, stages: 2, schedule: interleaved}]", "replicas[0].schedule"),
     ("replicas: [{devices: fast, colour: red}]", "replicas[0].colour"),
 ])
 def test_malformed_layout_file(tmp_path, text, field):
@@ -320,6 +324,20 @@ def test_malformed_shorthand(text, field):
     with pytest.raises(OptionError) as err:
         load_layout(text)
     _one_line(err.value, field)
+
+
+def test_shorthand_vpp_is_interleaved_1f1b_on_pp_devices():
+    """Megatron's vpp: pp devices of pp x vpp stages, stage k on device k mod pp; estimated as the
+    simulator runs it."""
+    text = "dp=2,tp=1,pp=2,vpp=2,mb=2,gbs=16"
+    layout = load_layout(text)
+    assert layout.shorthand is not None and layout.shorthand.vpp == 2
+    options = merge_options(layout, _options(), set())
+    found = estimate_prepared(prepare(GPT, CPU4, options), layout, options)
+    for r in found.plan.replicas:
+        assert (r.schedule, r.chunks, len(r.stages), len(r.device_stages)) == ("interleaved", 2, 4, 2)
+        assert [st.rank for st in r.stages] == [st.rank for st in r.device_stages] * 2
+    assert found.plan.estimates.iteration_s == pytest.approx(found.simulation.iteration_s, rel=0.05)
 
 
 def test_shorthand_larger_than_the_cluster(mlp_hetero):

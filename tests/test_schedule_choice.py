@@ -1,4 +1,5 @@
-"""The search chooses each replica's pipeline schedule (1F1B or GPipe) by its exact time, within memory."""
+"""The search chooses each replica's pipeline schedule (1F1B, GPipe or interleaved 1F1B) by its exact time,
+within memory."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import random
 
 import pytest
 
+from backends.sim.engine import simulate
+from backends.sim.inputs import ReplicaWork, SimInput, StageWork
 from planner.search import ilp, pipeline
 from planner.search.configs import build_configs
 from planner.search.enumerate import solve_exact
 from planner.search.schedules import gpipe_max_micro_batches
 from tests import synthetic as syn
+from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli
 from tests.test_pipeline_time import random_pipeline, simulated_s
 
 GIB = syn.GIB
@@ -80,7 +84,18 @@ def test_forcing_a_schedule_keeps_only_its_configurations() -> None:
     tabs = _two_node_pipeline(act_gib=0.01, capacity_gib=6.0, global_batch=16)
     assert {c.schedule for c in build_configs(tabs, schedule="1f1b")} == {"1f1b"}
     assert {c.schedule for c in build_configs(tabs, schedule="gpipe")} == {"gpipe"}
-    assert {c.schedule for c in build_configs(tabs)} == {"1f1b", "gpipe"}
+    assert {c.schedule for c in build_configs(tabs, schedule="interleaved")} == {"interleaved"}
+    assert {c.schedule for c in build_configs(tabs)} == {"1f1b", "gpipe", "interleaved"}
+
+
+def test_forced_stages_beyond_the_devices_interleave() -> None:
+    """`--stages 4` on two devices: no 1F1B pipeline of 4 stages exists, two devices of two chunks do,
+    at the micro-batch sizes offered (where the devices hold the schedule's activations)."""
+    tabs = _two_node_pipeline(act_gib=0.01, capacity_gib=6.0, global_batch=16)
+    forced = build_configs(tabs, fixed_stages=4, schedule="interleaved")
+    assert forced and {(c.num_stages, c.chunks, len(c.device_classes)) for c in forced} == {(4, 2, 2)}
+    sizes = {c.micro_batch for c in forced}
+    assert len(sizes) > 1 and sizes <= {c.micro_batch for c in build_configs(tabs, fixed_stages=2)}
 
 
 def test_an_unknown_schedule_is_refused_before_tracing() -> None:
@@ -90,3 +105,38 @@ def test_an_unknown_schedule_is_refused_before_tracing() -> None:
     with pytest.raises(OptionError) as err:
         plan("no-such-model.py", "no-such-cluster.yaml", PlanOptions(schedule="zigzag"))
     assert err.value.field == "--schedule" and "auto, 1f1b, gpipe" in err.value.fix
+
+
+def test_search_picks_interleaving_where_the_fill_dominates_and_its_time_is_the_simulated_one() -> None:
+    """Eight blocks on two devices of one node, four one-sample micro-batches: 1F1B's fill is a whole
+    device's stage, interleaved 1F1B's a chunk's. The search takes the interleaved replica, priced as the
+    simulator runs it, and the exact enumerator agrees."""
+    t = syn.table("a", 1.0, blocks=8, devices=2, per_node=2, capacity_gib=40.0, block_s=[2e-3] * 8,
+                  boundary_bytes=1e5, act_gib=0.01)
+    tabs = syn.tables([t], 4, inter_gbit_s=100.0)
+    only_1f1b = ilp.solve(tabs, build_configs(tabs, schedule="1f1b"))
+    auto = ilp.solve(tabs, build_configs(tabs))
+    chosen = {(c.config.schedule, c.config.chunks) for c in auto.choices}
+    assert {schedule for schedule, _ in chosen} == {"interleaved"} and all(v > 1 for _, v in chosen)
+    assert auto.objective_s < 0.9 * only_1f1b.objective_s
+    for choice in auto.choices:
+        c = choice.config
+        sp = c.split
+        stages = tuple(StageWork(k % len(c.device_classes), (sp.fwd_s[k],) * 4, (sp.bwd_s[k],) * 4,
+                                 (sp.send_s[k],) * 4 if k + 1 < c.num_stages else (),
+                                 (sp.send_s[k - 1],) * 4 if k else (), 0.0) for k in range(c.num_stages))
+        simulated = simulate(SimInput(2, 4, (ReplicaWork(0, "interleaved", stages, c.chunks),), ()),
+                             timeline=False).pipeline_s
+        assert c.replica_time_s(choice.share // c.micro_batch) == pytest.approx(simulated + c.optimizer_s, rel=1e-9)
+    assert solve_exact(tabs, build_configs(tabs)).objective_s == pytest.approx(auto.objective_s, rel=1e-6)
+
+
+def test_a_stage_count_that_cannot_interleave_is_named(tmp_path) -> None:
+    """Two stages cannot interleave (two devices holding two stages each is the least): the command says
+    so on --stages, not that the model fits nowhere."""
+    proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-4.yaml"),
+                        "--schedule", "interleaved", "--stages", "2", "-o", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "--stages" in line and "cannot interleave" in line and "multiple of 4" in line
+    assert not (tmp_path / "out").exists()

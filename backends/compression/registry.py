@@ -12,7 +12,7 @@ import torch.distributed as dist
 from backends.compression.base import GradientCompressor
 from backends.compression.hooks import Bf16Compressor, Fp16Compressor, NoCompression, PowerSGDCompressor
 from backends.compression.onebit import OneBitCompressor
-from planner.core.ir import CompressorSettings
+from planner.core.plan_records import CompressorSettings
 
 CompressorFactory = Callable[..., GradientCompressor]
 """Called as factory(process_group, **options) -> a fresh compressor (its own state)."""

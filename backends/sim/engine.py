@@ -3,8 +3,9 @@
 Per replica, each rank runs its schedule's actions (planner.core.schedule) in order. A forward of
 micro-batch j on stage s starts when the rank is free and stage s-1's activations of j have
 arrived; a backward when stage s+1's input gradient of j has arrived. Sends are asynchronous (the
-runtime uses isend): a transfer starts when its producer finishes and the directed link between
-the two stages is free, and occupies only that link. After its last backward a rank joins its
+runtime uses isend): a transfer starts when its producer finishes and the sending device's link in
+that direction is free, and occupies only that link (under interleaved 1F1B a device runs several
+stages, whose transfers to the next device share its link). After its last backward a rank joins its
 gradient groups in plan order (every rank issues them in that order): a collective starts when
 all member ranks are free and blocks them for its duration (no overlap with compute in v1).
 Then each rank runs its optimizer step. Deterministic: no randomness, ties broken by order.
@@ -53,61 +54,62 @@ def _run_replica(rep: ReplicaWork, spans: list[Span] | None, busy: list[float],
     """Simulate one replica's pipeline, adding compute time to `busy` (and its spans to `spans`, unless
     None); returns each rank's time of its last action. Replicas with the same work (common: many copies
     of one shape) are simulated once (`seen`) and the timeline is given to each one's ranks."""
-    key = (rep.schedule, tuple((w.fwd_s, w.bwd_s, w.send_fwd_s, w.send_bwd_s) for w in rep.stages))
+    key = (rep.schedule, rep.chunks, tuple((w.fwd_s, w.bwd_s, w.send_fwd_s, w.send_bwd_s) for w in rep.stages))
     if key not in seen:
         seen[key] = _timeline(rep)
-    local, stage_busy, stage_end = seen[key]
-    ranks = [w.rank for w in rep.stages]
+    local, device_busy, device_end = seen[key]
+    ranks = [w.rank for w in rep.stages[:len(device_busy)]]     # each device's rank (its first stage's)
     if spans is not None:
         spans.extend(Span(ranks[sp.rank], sp.label, sp.start_s, sp.end_s) for sp in local)
-    for s, r in enumerate(ranks):
-        busy[r] += stage_busy[s]
-    return {r: stage_end[s] for s, r in enumerate(ranks)}
+    for d, r in enumerate(ranks):
+        busy[r] += device_busy[d]
+    return {r: device_end[d] for d, r in enumerate(ranks)}
 
 
 def _timeline(rep: ReplicaWork) -> _Timeline:
-    """One replica's pipeline, with stage indices in place of ranks."""
-    S, M = len(rep.stages), rep.num_micro
+    """One replica's pipeline, with device indices (stage k on device k mod devices) in place of ranks."""
+    K, M = len(rep.stages), rep.num_micro
+    D = K // rep.chunks
     spans: list[Span] = []
-    busy = [0.0] * S
-    actions = sched.make(rep.schedule, S, M)
-    free = [0.0] * S
-    pos = [0] * S
+    busy = [0.0] * D
+    actions = sched.make(rep.schedule, K, M, rep.chunks)
+    free = [0.0] * D
+    pos = [0] * D
     arrival: dict[tuple[int, str, int], float] = {}   # (stage, kind, micro) -> input ready
     done: set[tuple[int, str, int]] = set()
-    link_fwd = [0.0] * S    # link s -> s+1 free at
-    link_bwd = [0.0] * S    # link s -> s-1 free at
+    link_fwd = [0.0] * D    # device d's link towards the next stage's device, free at
+    link_bwd = [0.0] * D    # and towards the previous stage's
     remaining = sum(len(a) for a in actions)
     while remaining:
         progressed = False
-        for s in range(S):
-            work = rep.stages[s]
-            while pos[s] < len(actions[s]):
-                a = actions[s][pos[s]]
-                j = a.micro
+        for d in range(D):
+            while pos[d] < len(actions[d]):
+                a = actions[d][pos[d]]
+                s, j = a.stage, a.micro
+                work = rep.stages[s]
                 if a.kind == "F":
                     ready = s == 0 or (s, "F", j) in arrival
                     dur = work.fwd_s[j]
                 else:
-                    ready = (s, "F", j) in done and (s == S - 1 or (s, "B", j) in arrival)
+                    ready = (s, "F", j) in done and (s == K - 1 or (s, "B", j) in arrival)
                     dur = work.bwd_s[j]
                 if not ready:
                     break
-                start = max(free[s], arrival.get((s, a.kind, j), 0.0))
+                start = max(free[d], arrival.get((s, a.kind, j), 0.0))
                 end = start + dur
-                free[s] = end
+                free[d] = end
                 done.add((s, a.kind, j))
-                spans.append(Span(s, str(a), start, end))
-                busy[s] += dur
-                if a.kind == "F" and s + 1 < S:
-                    t0 = max(end, link_fwd[s])
-                    link_fwd[s] = t0 + work.send_fwd_s[j]
-                    arrival[(s + 1, "F", j)] = link_fwd[s]
+                spans.append(Span(d, str(a), start, end))
+                busy[d] += dur
+                if a.kind == "F" and s + 1 < K:
+                    t0 = max(end, link_fwd[d])
+                    link_fwd[d] = t0 + work.send_fwd_s[j]
+                    arrival[(s + 1, "F", j)] = link_fwd[d]
                 elif a.kind == "B" and s > 0:
-                    t0 = max(end, link_bwd[s])
-                    link_bwd[s] = t0 + work.send_bwd_s[j]
-                    arrival[(s - 1, "B", j)] = link_bwd[s]
-                pos[s] += 1
+                    t0 = max(end, link_bwd[d])
+                    link_bwd[d] = t0 + work.send_bwd_s[j]
+                    arrival[(s - 1, "B", j)] = link_bwd[d]
+                pos[d] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:

@@ -45,8 +45,9 @@ class StageWork:
 @dataclass(frozen=True)
 class ReplicaWork:
     index: int
-    schedule: str                    # "1f1b" | "gpipe"
+    schedule: str                    # "1f1b" | "gpipe" | "interleaved"
     stages: tuple[StageWork, ...]
+    chunks: int = 1                  # stages per device (interleaved): stage k on the device of stage k mod devices
 
     @property
     def num_micro(self) -> int:
@@ -149,7 +150,7 @@ def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica:
             step_s += (allgather_s(param_bytes, zero[rank], spec.inter_node.bandwidth_bytes_s, 0.0)
                        + len(st.params) * spec.inter_node.latency_s)       # a broadcast per tensor
         stages.append(StageWork(rank, fwd, bwd, send_fwd, send_bwd, step_s))
-    return ReplicaWork(replica.index, replica.schedule, tuple(stages))
+    return ReplicaWork(replica.index, replica.schedule, tuple(stages), replica.chunks)
 
 
 def _sync_work(spec: ClusterSpec, group: GradGroup, rank_device: dict[int, Device]) -> SyncWork:

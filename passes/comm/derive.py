@@ -8,7 +8,8 @@ It follows the program call for call (backends/torchdist/program/):
   step       pipeline.StageExecutor.train_step: per schedule action, a forward receives its stage's
              inputs from their producers and sends its outputs to each later consumer; a backward
              receives the gradients of its outputs from those consumers and sends its inputs' gradients
-             back (values that need one); then the step's sends are waited for.
+             back (values that need one); under interleaved 1F1B values are relayed stage to stage
+             instead (passes.split.relayed); then the step's sends are waited for.
              optimizers.sync_step_gradients: the fp16 inf check over all ranks (loss scaling), then
              each gradient group this rank is in, in plan order: one flat all-reduce (`none`), or one
              compressed all-reduce per bucket; 1-bit Adam's momentum exchange in the optimizer step.
@@ -43,11 +44,12 @@ from passes.comm.events import (
     stream_text,
 )
 from passes.comm.inputs import SplitView, StreamInputs
+from passes.split import relayed
 from planner.core import schedule as sched
 from planner.core.errors import PassError
 from planner.core.ir import GradGroup, P2PEdge, Plan, ReplicaPlan, StagePlan
 
-Schedules = Callable[[int], list[list[sched.Action]]]   # replica index -> its action list per stage
+Schedules = Callable[[int], list[list[sched.Action]]]   # replica index -> its action list per device
 ONEBIT_MODES = ("gradients", "exact", "momentum")
 COMMON = "set-up and pipeline"      # the name of the streams' first part in the digest
 FP32 = "float32"
@@ -77,12 +79,13 @@ def variants(plan: Plan) -> list[Variant]:
 
 
 def default_schedules(plan: Plan) -> Schedules:
-    """Each replica's schedule (sched.make), made once per distinct (schedule, stages, micro-batches)."""
-    made: dict[tuple[str, int, int], list[list[sched.Action]]] = {}
+    """Each replica's schedule (sched.make), made once per distinct (schedule, stages, micro-batches,
+    stages per device)."""
+    made: dict[tuple[str, int, int, int], list[list[sched.Action]]] = {}
 
     def of(r: int) -> list[list[sched.Action]]:
         replica = plan.replicas[r]
-        shape = (replica.schedule, len(replica.stages), len(replica.micro_batch_sizes))
+        shape = (replica.schedule, len(replica.stages), len(replica.micro_batch_sizes), replica.chunks)
         if shape not in made:
             made[shape] = sched.make(*shape)
         return made[shape]
@@ -163,7 +166,7 @@ class Derivation:
         self._flats: dict[int, tuple[int, str]] = {}                    # group index -> flat all-reduce
         self._bucket_sizes: dict[int, list[int]] = {}                   # group index -> bucket elements
         self._tails: dict[tuple[tuple[int, ...], Variant], tuple[list[tuple[object, ...]], str]] = {}
-        self._action_rows: dict[tuple[int, int], list[tuple[str, int, str, int]]] = {}
+        self._action_rows: dict[tuple[int, int], list[tuple[str, int, str, int, int]]] = {}
         self._setup_hash = hashlib.sha256(f"# {COMMON}\n{stream_text(self.setup)}".encode())
 
     def parts(self, rank: int, of: Sequence[Variant]) -> tuple[list[CommEvent], dict[Variant, list[CommEvent]]]:
@@ -248,29 +251,29 @@ class Derivation:
     def _pipeline(self, rank: int) -> list[CommEvent]:
         replica, stage = self.where[rank]
         lane = stage.ranks.index(rank)
-        # micro-batch rows -> F and B messages: kind, peer, value index, backward, values, the event's rest
-        plans: dict[int, dict[str, list[tuple[str, int, int, bool, int, tuple[object, ...]]]]] = {}
+        # (micro-batch rows, stage) -> F and B messages: kind, peer, value index, backward, values, the rest
+        plans: dict[tuple[int, int], dict[str, list[tuple[str, int, int, bool, int, tuple[object, ...]]]]] = {}
         out: list[CommEvent] = []
         new = tuple.__new__               # as _for_rank: some 10^6 events, CommEvent._make's checks left out
-        for label, micro, kind, rows in self._actions(replica, stage.index):
-            if rows not in plans:
+        for label, micro, kind, rows, k in self._actions(replica, stage.index):
+            if (rows, k) not in plans:
                 view = self.inputs.split(replica.index, rows)
-                plans[rows] = {k: [(m.kind, m.peer, m.index, m.backward, m.num_values,
-                                    (m.codec, "", (), "", m.shape, m.dtype, m.nbytes)) for m in ms]
-                               for k, ms in self._messages(replica.index, stage.index, view, lane).items()}
-            for m_kind, peer, index, backward, num_values, rest in plans[rows][kind]:
+                plans[rows, k] = {kind_: [(m.kind, m.peer, m.index, m.backward, m.num_values,
+                                           (m.codec, "", (), "", m.shape, m.dtype, m.nbytes)) for m in ms]
+                                  for kind_, ms in self._messages(replica.index, k, view, lane).items()}
+            for m_kind, peer, index, backward, num_values, rest in plans[rows, k][kind]:
                 tag = message_tag(micro, index, backward, num_values)
                 out.append(new(CommEvent, (m_kind, rank, label, peer, tag) + rest))
         return out
 
-    def _actions(self, replica: ReplicaPlan, stage: int) -> list[tuple[str, int, str, int]]:
-        """Stage `stage`'s schedule as (label, micro-batch, kind, its rows), made once per stage of a
-        replica (every lane of the stage runs it)."""
-        key = (replica.index, stage)
+    def _actions(self, replica: ReplicaPlan, device: int) -> list[tuple[str, int, str, int, int]]:
+        """Device `device`'s schedule as (label, micro-batch, kind, its rows, stage), made once per device of
+        a replica (every lane of the device runs it)."""
+        key = (replica.index, device)
         if key not in self._action_rows:
             sizes = replica.micro_batch_sizes
-            self._action_rows[key] = [(str(a), a.micro, a.kind, sizes[a.micro])
-                                      for a in self.schedules(replica.index)[stage]]
+            self._action_rows[key] = [(str(a), a.micro, a.kind, sizes[a.micro], a.stage)
+                                      for a in self.schedules(replica.index)[device]]
         return self._action_rows[key]
 
     def _messages(self, replica_index: int, k: int, view: SplitView, lane: int) -> dict[str, list[_Message]]:
@@ -295,9 +298,11 @@ def _fields_after_rank(collectives: Sequence[CommEvent]) -> list[tuple[object, .
 
 
 def tp_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
-    """The tensor-parallel groups (each stage's shards), in the order every rank creates them
-    (process_group.init, after the gradient groups): name `tp<replica>.<stage>` and ranks."""
-    return [(f"tp{r.index}.{st.index}", st.ranks) for r in plan.replicas for st in r.stages if st.tp_degree > 1]
+    """The tensor-parallel groups (each device's shards: its stages' under interleaved 1F1B), in the order
+    every rank creates them (process_group.init, after the gradient groups): name `tp<replica>.<stage>` and
+    ranks."""
+    return [(f"tp{r.index}.{st.index}", st.ranks) for r in plan.replicas for st in r.device_stages
+            if st.tp_degree > 1]
 
 
 @dataclass(frozen=True)
@@ -328,6 +333,15 @@ def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int
         return _Message(kind, replica.stages[peer_stage].ranks[lane], index[name], len(index), backward, codec[edge],
                         v.shape, v.dtype, math.prod(v.shape) * _itemsize(v.dtype))
 
+    if replica.chunks > 1:     # interleaved 1F1B: values relayed stage to stage (passes.split.relayed)
+        into, out = relayed(values, k, num_stages)
+        into.sort(key=index.__getitem__)
+        out.sort(key=index.__getitem__)
+        forward = [message(RECV, n, k - 1, False, (k - 1, k)) for n in into]
+        forward += [message(SEND, n, k + 1, False, (k, k + 1)) for n in out]
+        backward = [message(RECV, n, k + 1, True, (k, k + 1)) for n in out if values[n].needs_grad]
+        backward += [message(SEND, n, k - 1, True, (k - 1, k)) for n in into if values[n].needs_grad]
+        return {"F": forward, "B": backward}
     received = sorted((n for n in view.stage_inputs[k] if values[n].producer != -1), key=index.__getitem__)
     outputs = sorted(view.stage_outputs[k], key=index.__getitem__) if k != last else []
     forward = [message(RECV, n, values[n].producer, False, (values[n].producer, k)) for n in received]

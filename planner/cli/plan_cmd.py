@@ -39,7 +39,8 @@ def plan_parser() -> argparse.ArgumentParser:
                         "uniform, fastest, megatron, metis, single (the best one-device plan), dp (the best "
                         "pure data-parallel plan)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--stages", type=int, default=None, help="force every pipeline to this many stages")
+    p.add_argument("--stages", type=int, default=None,
+                   help="force every pipeline to this many stages (interleaved 1F1B: over stages / 2 or / 4 devices)")
     p.add_argument("--tp", type=int, default=None,
                    help="force the tensor-parallel degree of every stage: 1, 2, 4 or 8 devices of a node "
                         "(default: searched)")

@@ -154,6 +154,10 @@ def _check_shape(plan: Plan, file: str) -> None:
             fail(where, "a replica out of order, or without stages or micro-batches")
         if r.schedule not in schedule.SCHEDULES:
             fail(f"{where}.schedule", f"unknown schedule {r.schedule[:20]!r}")
+        if not (isinstance(r.chunks, int) and 1 <= r.chunks <= len(r.stages) and len(r.stages) % r.chunks == 0
+                and (r.chunks > 1) == (r.schedule == "interleaved")):
+            fail(f"{where}.chunks", f"{str(r.chunks)[:20]} stages per device for {len(r.stages)} stages under "
+                 f"{r.schedule[:20]}")
         if len(r.stages) * len(r.micro_batch_sizes) > MAX_SCHEDULE_ACTIONS:
             fail(where, "more stages x micro-batches than any plan has")
         for j, st in enumerate(r.stages):

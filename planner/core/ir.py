@@ -14,17 +14,15 @@ import dataclasses
 import json
 import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from planner.core.comm_records import CommRecord
 from planner.core.errors import PlanFileError
-from planner.core.plan_records import CheckpointAdvice, Lineage
+from planner.core.plan_records import OPTIONAL, CheckpointAdvice, CompressorSettings, Lineage
 
 SCHEMA_VERSION = 1
-OPTIONAL = {"omit_default": True}    # field metadata: left out of the file at its default
 
 
 @dataclass(frozen=True)
@@ -91,13 +89,24 @@ class ReplicaPlan:
     stages: tuple[StagePlan, ...]
     batch_share: int
     micro_batch_sizes: tuple[int, ...]
-    schedule: str                 # "1f1b" | "gpipe"
+    schedule: str                 # "1f1b" | "gpipe" | "interleaved" (planner.core.schedule)
     estimated_s: float
+    # interleaved 1F1B: the stages each device runs; stage k runs on the ranks of stage k mod (stages / chunks)
+    chunks: int = field(default=1, metadata=OPTIONAL)
+
+    @property
+    def device_stages(self) -> tuple[StagePlan, ...]:
+        """Each device's first stage, in pipeline order (every stage but under interleaved 1F1B)."""
+        return self.stages[:len(self.stages) // self.chunks]
+
+    def stages_with(self, stage: StagePlan) -> tuple[StagePlan, ...]:
+        """The stages that run on `stage`'s ranks (`stage` alone but under interleaved 1F1B)."""
+        return self.stages[stage.index % len(self.device_stages)::len(self.device_stages)]
 
     @property
     def ranks(self) -> tuple[int, ...]:
-        """Every rank of the replica, stage by stage (a stage's tensor-parallel shards together)."""
-        return tuple(r for s in self.stages for r in s.ranks)
+        """Every rank of the replica, device by device (a stage's tensor-parallel shards together)."""
+        return tuple(r for s in self.device_stages for r in s.ranks)
 
     @property
     def tp_degree(self) -> int:
@@ -106,53 +115,14 @@ class ReplicaPlan:
 
     def lane(self, rank: int) -> int:
         """Which tensor-parallel shard `rank` runs in its stage (0 without tensor parallelism)."""
-        for s in self.stages:
+        for s in self.device_stages:
             if rank in s.ranks:
                 return s.ranks.index(rank)
         raise KeyError(rank)
 
     def lane_ranks(self, lane: int) -> tuple[int, ...]:
-        """The ranks of one shard lane, stage by stage: a pipeline of its own, trained on the replica's rows."""
-        return tuple(s.ranks[lane] for s in self.stages)
-
-
-def bucket_ranges(numels: Sequence[int], cap_elems: int) -> list[tuple[int, int]]:
-    """Cut parameters (in order) into buckets of at most `cap_elems` elements ([start, stop) indices).
-
-    A parameter larger than the cap gets a bucket of its own. The cost model prices gradient groups
-    bucketed this way and the program buckets them the same way (CompressorSettings.bucket_ranges).
-    """
-    ranges: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, numel in enumerate(numels):
-        if i > start and size + numel > cap_elems:
-            ranges.append((start, i))
-            start, size = i, 0
-        size += numel
-    if numels:
-        ranges.append((start, len(numels)))
-    return ranges
-
-
-@dataclass(frozen=True)
-class CompressorSettings:
-    """What a gradient group's compressor runs with: the values the cost model priced it with, recorded
-    so that the program reads them from the plan (a later change of the cost model's defaults leaves
-    an emitted program as it was). Fields a compressor does not use stay at their default, unwritten."""
-
-    bucket_cap_bytes: int                  # fp32 gradients travel in buckets of at most this many bytes
-    rank: int = field(default=0, metadata=OPTIONAL)                        # powersgd: approximation rank
-    min_compression_rate: float = field(default=0.0, metadata=OPTIONAL)   # powersgd: compress a matrix
-    #                                          only if it shrinks at least this much
-    start_iter: int = field(default=0, metadata=OPTIONAL)                  # powersgd: exact steps first
-    warmup_fraction: float = field(default=0.0, metadata=OPTIONAL)         # onebit under AdamW (1-bit
-    #                                          Adam): exact AdamW for this fraction of the run's steps
-
-    FP32_BYTES: ClassVar[int] = 4          # gradients are bucketed as fp32
-
-    def bucket_ranges(self, numels: Sequence[int]) -> list[tuple[int, int]]:
-        """[start, stop) ranges of a group's parameters (element counts `numels`, in order), one per bucket."""
-        return bucket_ranges(numels, self.bucket_cap_bytes // self.FP32_BYTES)
+        """The ranks of one shard lane, device by device: a pipeline of its own, trained on the replica's rows."""
+        return tuple(s.ranks[lane] for s in self.device_stages)
 
 
 @dataclass(frozen=True)
@@ -273,9 +243,10 @@ class Plan:
     checkpoint: CheckpointAdvice | None = field(default=None, metadata=OPTIONAL, compare=False)
 
     def stage_of_rank(self, rank: int) -> tuple[ReplicaPlan, StagePlan]:
-        """The replica and stage `rank` runs (one of the stage's tensor-parallel shards, where it has several)."""
+        """The replica and stage `rank` runs (one of the stage's tensor-parallel shards, where it has several;
+        under interleaved 1F1B the first of the rank's stages: `ReplicaPlan.stages_with` gives them all)."""
         for replica in self.replicas:
-            for stage in replica.stages:
+            for stage in replica.device_stages:
                 if rank in stage.ranks:
                     return replica, stage
         raise KeyError(rank)

@@ -1,9 +1,11 @@
 """Pipeline schedules as data.
 
 An action is `(stage, kind, micro_batch)` with the text form `2F0` (stage 2, forward, micro-batch 0)
-or `1B3`; a schedule is one action list per stage and parses back from its text. The deadlock
-checker replays all stages together: a forward needs the previous stage's forward of the same
-micro-batch done, a backward needs the next stage's backward done.
+or `1B3`; a schedule is one action list per device and parses back from its text. Under 1F1B and GPipe a
+device runs one stage; under interleaved 1F1B (`interleaved`: Megatron's virtual pipeline stages) each of
+the S devices runs `chunks` stages of the model, stage k on device k mod S, so the fill and drain are
+chunk-sized. The deadlock checker replays all devices together: a forward needs the previous stage's
+forward of the same micro-batch done, a backward needs the next stage's backward done.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from planner.core.errors import PassError
 
 _ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 CHOICES = ("auto", *SCHEDULES)   # what a user may ask for: auto lets the search choose per replica
 
 
@@ -57,21 +59,66 @@ def one_f_one_b(num_stages: int, num_micro: int) -> list[list[Action]]:
     return out
 
 
-def make(kind: str, num_stages: int, num_micro: int) -> list[list[Action]]:
+def interleaved_rounds(num_devices: int, num_micro: int) -> int | None:
+    """Micro-batches per round of the interleaved schedule (each device runs a round through one chunk, then
+    the next chunk): the device count, or fewer micro-batches in one round; None where `num_micro` does not
+    split into whole rounds (it must be a multiple of max(1, num_micro // num_devices))."""
+    rounds = max(1, num_micro // num_devices)
+    return None if num_micro % rounds else num_micro // rounds
+
+
+def interleaved(num_devices: int, chunks: int, num_micro: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Megatron's virtual pipeline stages): device d runs stages d, d + S, ... A round of
+    micro-batches passes the device's first chunk, then its second, ...; backwards take the chunks in
+    reverse. Device d starts with (chunks - 1) x round + 2 (S - 1 - d) forwards (enough for the last
+    stage's first backward to be reachable), then alternates one forward and one backward, then drains."""
+    S, v, M = num_devices, chunks, num_micro
+    per_round = interleaved_rounds(S, M)
+    if per_round is None:
+        raise PassError(f"interleaved 1F1B cannot run {M} micro-batches on {S} devices",
+                        fix=f"use a multiple of {max(1, M // S)} micro-batches")
+
+    def order(i: int, backward: bool) -> tuple[int, int]:
+        chunk = (i // per_round) % v
+        micro = (i // (per_round * v)) * per_round + i % per_round
+        return (v - 1 - chunk if backward else chunk), micro
+
+    out = []
+    for d in range(S):
+        total = v * M
+        warm = min(total, (v - 1) * per_round + 2 * (S - 1 - d))
+        forwards = [Action(c * S + d, "F", j) for c, j in (order(i, False) for i in range(total))]
+        backwards = [Action(c * S + d, "B", j) for c, j in (order(i, True) for i in range(total))]
+        acts = forwards[:warm]
+        for i in range(total - warm):
+            acts += [forwards[warm + i], backwards[i]]
+        acts += backwards[total - warm:]
+        out.append(acts)
+    return out
+
+
+def make(kind: str, num_stages: int, num_micro: int, chunks: int = 1) -> list[list[Action]]:
+    """The action list of each device: `num_stages` stages, each device running `chunks` of them (more than
+    one under `interleaved` only)."""
+    if kind == "interleaved":
+        return interleaved(num_stages // chunks, chunks, num_micro)
+    if chunks != 1:
+        raise PassError(f"schedule `{kind}` runs one stage per device, not {chunks}", field="schedule",
+                        fix="use the interleaved schedule for several stages per device")
     if kind == "gpipe":
         return gpipe(num_stages, num_micro)
     if kind == "1f1b":
         return one_f_one_b(num_stages, num_micro)
-    raise PassError(f"unknown schedule `{kind}`", field="schedule", fix="use gpipe or 1f1b")
+    raise PassError(f"unknown schedule `{kind}`", field="schedule", fix="use gpipe, 1f1b or interleaved")
 
 
 def format_grid(schedule: list[list[Action]]) -> str:
-    """Rank x step grid, the form printed when a check fails."""
+    """Device x step grid, the form printed when a check fails."""
     width = max(len(a) for a in schedule) if schedule else 0
     lines = []
     for s, acts in enumerate(schedule):
         cells = [str(a).rjust(4) for a in acts] + ["    "] * (width - len(acts))
-        lines.append(f"stage {s}: " + " ".join(cells))
+        lines.append(f"device {s}: " + " ".join(cells))
     return "\n".join(lines)
 
 
@@ -83,35 +130,38 @@ def from_text(text: str) -> list[list[Action]]:
     return [[Action.parse(t) for t in line.split()] for line in text.strip().splitlines()]
 
 
-def check(schedule: list[list[Action]], num_micro: int) -> None:
-    """Raise PassError unless every stage runs F and B of each micro-batch once, without deadlock."""
+def check(schedule: list[list[Action]], num_micro: int, chunks: int = 1) -> None:
+    """Raise PassError unless every stage runs F and B of each micro-batch once, on its device (stage k on
+    device k mod S), without deadlock."""
     S = len(schedule)
-    for s, acts in enumerate(schedule):
-        want = {(k, i) for k in "FB" for i in range(num_micro)}
-        got = [(a.kind, a.micro) for a in acts]
-        if sorted(got) != sorted(want) or any(a.stage != s for a in acts):
-            raise PassError(f"stage {s} does not run each micro-batch's F and B exactly once:\n"
-                            + format_grid(schedule), fix="report this schedule")
-        for i in range(num_micro):
-            if got.index(("B", i)) < got.index(("F", i)):
-                raise PassError(f"stage {s} runs B{i} before F{i}:\n" + format_grid(schedule))
+    stages = S * chunks
+    for d, acts in enumerate(schedule):
+        want = {(k, kind, i) for k in range(d, stages, S) for kind in "FB" for i in range(num_micro)}
+        got = [(a.stage, a.kind, a.micro) for a in acts]
+        if sorted(got) != sorted(want):
+            raise PassError(f"device {d} does not run each of its stages' F and B of each micro-batch exactly "
+                            "once:\n" + format_grid(schedule), fix="report this schedule")
+        for k, kind, i in got:
+            if kind == "B" and got.index((k, "B", i)) < got.index((k, "F", i)):
+                raise PassError(f"device {d} runs {k}B{i} before {k}F{i}:\n" + format_grid(schedule))
     done: set[tuple[int, str, int]] = set()
     pos = [0] * S
-    while any(pos[s] < len(schedule[s]) for s in range(S)):
+    while any(pos[d] < len(schedule[d]) for d in range(S)):
         progressed = False
-        for s in range(S):
-            while pos[s] < len(schedule[s]):
-                a = schedule[s][pos[s]]
+        for d in range(S):
+            while pos[d] < len(schedule[d]):
+                a = schedule[d][pos[d]]
+                k = a.stage
                 if a.kind == "F":
-                    ready = s == 0 or (s - 1, "F", a.micro) in done
+                    ready = k == 0 or (k - 1, "F", a.micro) in done
                 else:
-                    ready = (s, "F", a.micro) in done and (s == S - 1 or (s + 1, "B", a.micro) in done)
+                    ready = (k, "F", a.micro) in done and (k == stages - 1 or (k + 1, "B", a.micro) in done)
                 if not ready:
                     break
-                done.add((s, a.kind, a.micro))
-                pos[s] += 1
+                done.add((k, a.kind, a.micro))
+                pos[d] += 1
                 progressed = True
         if not progressed:
-            stuck = ", ".join(f"stage {s} at {schedule[s][pos[s]]}" for s in range(S) if pos[s] < len(schedule[s]))
+            stuck = ", ".join(f"device {d} at {schedule[d][pos[d]]}" for d in range(S) if pos[d] < len(schedule[d]))
             raise PassError(f"schedule deadlocks ({stuck}):\n" + format_grid(schedule),
                             fix="report this schedule")

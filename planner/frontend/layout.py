@@ -1,5 +1,5 @@
 """Read a layout the user wrote (`plan estimate --layout`): a YAML file, or the Megatron-style shorthand
-`dp=4,tp=2,pp=2,mb=1`, into typed records. Nothing here knows the model or the cluster: names of
+`dp=4,tp=2,pp=2,mb=1` (`vpp=2`: interleaved), into typed records. Nothing here knows the model or the cluster: names of
 node groups and device types, block and layer numbers are checked against them when the layout is
 built into the search's records (planner.search.given).
 
@@ -19,8 +19,13 @@ The file (every field but `replicas` optional; examples/layouts/ has one):
         micro_batch: 4             # micro-batch size
         micro_batches: 4           # micro-batch count (share = size x count unless `share` says)
         share: 16                  # samples of the global batch (default: the batch split equally)
-        schedule: 1f1b             # 1f1b | gpipe
+        schedule: 1f1b             # 1f1b | gpipe | interleaved
+        chunks: 1                  # stages per device (interleaved 1F1B: stage k on device k mod stages/chunks)
         compression: none          # as the top-level field (a gradient group spans the replicas: one for all)
+
+With `chunks` above 1 the schedule is interleaved 1F1B and `devices` names (or counts, with tp) the
+stages / chunks devices of the pipeline; the shorthand's `vpp=` (Megatron's virtual pipeline stages) is
+the same: pp devices of pp x vpp stages.
 
 Defaults: one stage; degree 1; 1F1B; no compression; shares the global batch split equally over the
 replicas that give none; micro-batch count the stage count (the fewest that fill a 1F1B pipeline), so
@@ -47,12 +52,13 @@ from planner.core.ir import Plan
 
 TP_DEGREES = (1, 2, 4, 8)
 MAX_COUNT = 1 << 20          # replicas, stages, micro-batches, samples: beyond any cluster or batch
-SHORTHAND_KEYS = ("dp", "tp", "pp", "mb", "gbs")
+SHORTHAND_KEYS = ("dp", "tp", "pp", "mb", "vpp", "gbs")
 _SHORTHAND = re.compile(r"^\s*[a-z]+\s*=\s*\d+\s*(,\s*[a-z]+\s*=\s*\d+\s*)*$")
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 _TOP_KEYS = ("global_batch", "compression", "activation_compression", "zero", "precision", "memory_margin",
              "replicas")
-_REPLICA_KEYS = ("devices", "stages", "tp", "micro_batch", "micro_batches", "share", "schedule", "compression")
+_REPLICA_KEYS = ("devices", "stages", "tp", "micro_batch", "micro_batches", "share", "schedule", "chunks",
+                 "compression")
 _DEVICE_KEYS = ("group", "type", "count")
 UNITS = ("blocks", "layers")
 
@@ -88,6 +94,7 @@ class ReplicaLayout:
     schedule: str = "1f1b"
     compression: str | None = None
     where: str = ""                              # its field path, for errors: `replicas[0]`
+    chunks: int = 1                              # stages per device (interleaved 1F1B)
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class Shorthand:
     mb: int
     gbs: int | None = None
     text: str = field(default="", compare=False)
+    vpp: int = 1                  # stages per device (interleaved 1F1B): pp devices of pp x vpp stages
 
 
 def is_shorthand(text: str) -> bool:
@@ -159,7 +167,8 @@ def parse_shorthand(text: str) -> Shorthand:
     if values["tp"] not in TP_DEGREES:
         raise OptionError(f"tp={values['tp']} is not a tensor-parallel degree", field=f"{flag} tp",
                           fix="give tp=1, 2, 4 or 8")
-    return Shorthand(values["dp"], values["tp"], values["pp"], values["mb"], values.get("gbs"), text)
+    return Shorthand(values["dp"], values["tp"], values["pp"], values["mb"], values.get("gbs"), text,
+                     values.get("vpp", 1))
 
 
 def parse_layout(data: object, file: str) -> Layout:
@@ -217,28 +226,37 @@ def _replica(f: Fields) -> ReplicaLayout:
     elif "stages" in f.data:
         stages = f.integer("stages", MAX_COUNT)
     devices = _devices(f)
+    chunks = f.integer("chunks", MAX_COUNT) if "chunks" in f.data else 1
+    schedule = f.choice("schedule", schedules.SCHEDULES, "schedule") if "schedule" in f.data else \
+        ("interleaved" if chunks > 1 else "1f1b")
+    if (chunks > 1) != (schedule == "interleaved"):
+        f.fail("chunks" if chunks > 1 else "schedule", f"schedule {schedule} with {chunks} stage(s) per device",
+               "give schedule: interleaved with chunks of 2 or more, or leave chunks at 1")
     count = len(ranges) or stages
+    if count is not None and count % chunks:
+        f.fail("chunks", f"{count} stage(s) are not whole groups of chunks={chunks}",
+               "give a stage count that is a multiple of chunks")
     if devices.count is not None:
         if devices.count % tp:
             f.fail("devices.count", f"{devices.count} devices are not whole groups of tp={tp}",
-                   "give stages x tp devices")
+                   "give stages / chunks x tp devices")
         if "stages" not in f.data:
-            stages, count = devices.count // tp, devices.count // tp
-        elif count is not None and count * tp != devices.count:
-            f.fail("devices.count", f"{devices.count} devices for {count} stage(s) of tp={tp}",
-                   f"give count: {count * tp}, or drop it")
+            stages, count = devices.count // tp * chunks, devices.count // tp * chunks
+        elif count is not None and count // chunks * tp != devices.count:
+            f.fail("devices.count", f"{devices.count} devices for {count} stage(s) of tp={tp}, {chunks} per device",
+                   f"give count: {count // chunks * tp}, or drop it")
     elif len(devices.names) > 1:
         if "stages" not in f.data:
-            stages, count = len(devices.names), len(devices.names)
-        elif count != len(devices.names):
-            f.fail("devices", f"{len(devices.names)} names for {count} stage(s)",
-                   "name one node group or device type per stage, or one for all")
+            stages, count = len(devices.names) * chunks, len(devices.names) * chunks
+        elif count is not None and count // chunks != len(devices.names):
+            f.fail("devices", f"{len(devices.names)} names for {count} stage(s), {chunks} per device",
+                   "name one node group or device type per device, or one for all")
     return ReplicaLayout(
         devices=devices, stages=stages if not ranges else None, ranges=ranges, tp=tp,
         micro_batch=_count(f, "micro_batch"), micro_batches=_count(f, "micro_batches"), share=_count(f, "share"),
-        schedule=f.choice("schedule", schedules.SCHEDULES, "schedule") if "schedule" in f.data else "1f1b",
+        schedule=schedule,
         compression=_optional_choice(f, "compression", compression.GRADIENT_POLICIES, "gradient compression"),
-        where=f.path)
+        where=f.path, chunks=chunks)
 
 
 def _devices(f: Fields) -> DeviceChoice:
@@ -287,12 +305,12 @@ def layout_of_plan(plan: Plan, source: str = "plan.json") -> Layout:
     options = dict(plan.inputs.options)
     replicas = []
     for i, r in enumerate(plan.replicas):
-        groups = tuple(st.device_label.rpartition("/")[0] for st in r.stages)
+        groups = tuple(st.device_label.rpartition("/")[0] for st in r.device_stages)
         replicas.append(ReplicaLayout(
             devices=DeviceChoice(groups if len(set(groups)) > 1 else groups[:1]), stages=None,
             ranges=tuple(StageRange("blocks", st.first_block, st.last_block) for st in r.stages),
             tp=r.tp_degree, micro_batch=r.micro_batch_sizes[0], micro_batches=len(r.micro_batch_sizes),
-            share=r.batch_share, schedule=r.schedule, where=f"replicas[{i}]"))
+            share=r.batch_share, schedule=r.schedule, where=f"replicas[{i}]", chunks=r.chunks))
     return Layout(source=source, replicas=tuple(replicas), global_batch=plan.global_batch,
                   compression=options.get("compression", "none"),
                   activation_compression=options.get("activation_compression", "none"),
@@ -324,6 +342,8 @@ def _replica_data(r: ReplicaLayout) -> dict[str, Any]:
         if getattr(r, key) is not None:
             out[key] = getattr(r, key)
     out["schedule"] = r.schedule
+    if r.chunks > 1:
+        out["chunks"] = r.chunks
     if r.compression is not None:
         out["compression"] = r.compression
     return out

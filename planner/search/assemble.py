@@ -12,7 +12,6 @@ its stage's need by the one memory rule (costmodel.memory), compressor state inc
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from costmodel import compression, compute, memory
@@ -45,7 +44,7 @@ class _Replica:
 
     def time_s(self, share: int | None = None) -> float:
         share = self.share if share is None else share
-        return self.config.replica_time_s(math.ceil(share / self.config.micro_batch))
+        return self.config.replica_time_s(len(self.config.micro_batch_sizes(share)))
 
     def estimated_s(self, tables: CostTables) -> float:
         """The replica's iteration as the program runs it: a share below the micro-batch size is one
@@ -142,18 +141,14 @@ def _allocate(spec: ClusterSpec, tables: CostTables, choices: tuple[Choice, ...]
 
 
 def _trim(replicas: list[_Replica], global_batch: int) -> None:
-    """The solver may serve a few samples more than B; take them from the slowest replicas."""
+    """The solver may serve a few samples more than B; take them from the slowest replicas (of those whose
+    schedule runs one sample less: interleaved 1F1B needs micro-batch counts of whole rounds)."""
     excess = sum(r.share for r in replicas) - global_batch
     while excess > 0:
-        candidates = [r for r in replicas if r.share > 1]
+        candidates = [r for r in replicas if r.share > 1 and r.config.micro_batch_sizes(r.share - 1)]
         slowest = max(candidates, key=lambda r: (r.time_s(), r.share))
         slowest.share -= 1
         excess -= 1
-
-
-def _micro_sizes(share: int, micro: int) -> tuple[int, ...]:
-    full, rest = divmod(share, micro)
-    return tuple([micro] * full + ([rest] if rest else []))
 
 
 def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
@@ -163,7 +158,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
     zero = max(c.zero_group for c in tables.classes) > 1       # costmodel.sharded_state priced every group so
     shardings = tables.shardings
     sharded = {p for sh in shardings if sh.divides(degree) for p in sh.sharded_params} if degree > 1 else set()
-    if any(len(r.devices) < r.config.num_stages * degree for r in replicas):
+    if any(len(r.devices) < len(r.config.device_classes) * degree for r in replicas):
         raise PlanningError("could not place the chosen pipelines on the nodes",
                             file=spec.source_path, fix="report this with the cluster spec")
     _trim(replicas, tables.global_batch)
@@ -182,15 +177,17 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
     stage_of_rank: list[tuple[Config, int]] = []
     for ri, rep in enumerate(replicas):
         cfg = rep.config
-        S = cfg.num_stages
-        micro_sizes = _micro_sizes(rep.share, cfg.micro_batch)
+        S, D = cfg.num_stages, len(cfg.device_classes)     # stages, and devices (fewer under interleaving)
+        micro_sizes = cfg.micro_batch_sizes(rep.share)
         stages = []
+        busy_by_device = [0.0] * D
         for s in range(S):
+            d = s % D
             lo, hi = cfg.split.bounds[s], cfg.split.bounds[s + 1]
             params: list[str] = []
             for b in range(lo, hi):
                 params.extend(p for p in blocks[b].params if p not in params)
-            ranks = tuple(range(rank, rank + degree))
+            ranks = tuple(range(rank + d * degree, rank + (d + 1) * degree))
             for lane, r in enumerate(ranks):
                 for p in params:
                     holders.setdefault((p, lane), []).append(r)
@@ -199,35 +196,43 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             fwd = sum(table.fwd_s[b] for b in range(lo, hi)) * (2 if recompute else 1)
             bwd = sum(table.bwd_s[b] for b in range(lo, hi))
             over = sum(table.overhead_s[b] for b in range(lo, hi))
-            in_flight = memory.in_flight_micro_batches(cfg.schedule, s, S, len(micro_sizes))
-            mem = stage_need_bytes(table, range(lo, hi), cfg.micro_batch, in_flight, recompute)
-            devs = rep.devices[s * degree:(s + 1) * degree]
+            if cfg.schedule == "interleaved":       # the device's need, its stages' together (interleave_configs)
+                mem = cfg.split.stage_memory_bytes[s]
+            else:
+                in_flight = memory.in_flight_micro_batches(cfg.schedule, s, S, len(micro_sizes))
+                mem = stage_need_bytes(table, range(lo, hi), cfg.micro_batch, in_flight, recompute)
+            devs = rep.devices[d * degree:(d + 1) * degree]
             dev = devs[0]
             sharded_stage = degree > 1
             stages.append(StagePlan(
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
-                rank=rank, device=dev.index, device_label=dev.label, device_type=dev.type.name,
+                rank=ranks[0], device=dev.index, device_label=dev.label, device_type=dev.type.name,
                 precision=table.precision, recompute=recompute, fwd_s_per_sample=fwd, bwd_s_per_sample=bwd,
                 overhead_s=over, memory_bytes=mem, params=tuple(params),
                 slowdown=dev.type.slowdown, tp_ranks=ranks if sharded_stage else (),
                 tp_devices=tuple(d.index for d in devs) if sharded_stage else (),
                 tp_device_labels=tuple(d.label for d in devs) if sharded_stage else (),
                 shard_param_bytes=sum(param_bytes[p] for p in params) if sharded_stage else 0.0))
-            for lane, d in enumerate(devs):
-                memory_by_rank.append(mem)
-                capacity_by_rank.append(float(d.type.memory_bytes))
-                busy_by_rank.append((fwd + bwd) * rep.share + over * len(micro_sizes))
-                device_labels.append(d.label)
-                stage_of_rank.append((cfg, s))
-                if s > 0:
-                    sender = tables.classes[cfg.classes[s - 1]]
-                    codec = cfg.split.send_compressors[s - 1] if cfg.split.send_compressors else "none"
-                    p2p.append(P2PEdge(ri, s - 1, s, ranks[lane] - degree, ranks[lane], sender.boundary_bytes[lo - 1],
+            busy_by_device[d] += (fwd + bwd) * rep.share + over * len(micro_sizes)
+            if s > 0:
+                previous = stages[s - 1].ranks
+                sender = tables.classes[cfg.classes[s - 1]]
+                codec = cfg.split.send_compressors[s - 1] if cfg.split.send_compressors else "none"
+                for lane in range(degree):
+                    p2p.append(P2PEdge(ri, s - 1, s, previous[lane], ranks[lane], sender.boundary_bytes[lo - 1],
                                        codec, block_elems=compression.INT8_BLOCK_ELEMS if codec == "int8" else 0))
-            rank += degree
+            if s < D:                               # the device's first stage: its ranks' records
+                for d_ in devs:
+                    memory_by_rank.append(mem)
+                    capacity_by_rank.append(float(d_.type.memory_bytes))
+                    device_labels.append(d_.label)
+                    stage_of_rank.append((cfg, s))
+        for d in range(D):
+            busy_by_rank.extend([busy_by_device[d]] * degree)
+        rank += D * degree
         group = "+".join(dict.fromkeys(tables.classes[ci].name for ci in cfg.classes))
         replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule,
-                                         rep.estimated_s(tables)))
+                                         rep.estimated_s(tables), chunks=cfg.chunks))
 
     all_devices = spec.devices()
     rank_device = {r: all_devices[d] for rp in replica_plans for st in rp.stages for r, d, _ in st.rank_devices()}

@@ -38,6 +38,7 @@ def fragmented_sync_s(tables: CostTables, counts: dict[tuple[candidates.Config, 
     for (c, share), n in counts.items():
         drain_s = c.replica_time_s(math.ceil(share / c.micro_batch)) - c.optimizer_s
         overlap = overlap_of(tables, configs, c.shape, c.split.bounds)
+        overlap = [overlap[k % len(overlap)] for k in range(c.num_stages)]     # interleaved: per device
         lanes.append(SyncLane(c.cls, c.split.bounds, n, tuple(drain_s - o for o in overlap), c.stage_compressors))
     ends = chained_sync_end_s(tables, lanes, link)
     done_s = max(max(stage_ends) + c.optimizer_s for ((c, _), _), stage_ends in zip(counts.items(), ends))

@@ -92,7 +92,7 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
 
 
 def replica_time_s(config: candidates.Config, share: int) -> float:
-    return config.replica_time_s(math.ceil(share / config.micro_batch))
+    return config.replica_time_s(len(config.micro_batch_sizes(share)))
 
 
 def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTIC_STATUS) -> candidates.Solution:
@@ -102,7 +102,7 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     pipeline_s = max(replica_time_s(c, share) for c, share in replicas)
     classes = {c.cls for c, _ in replicas}
     cls = next(iter(classes))
-    one_node = len(classes) == 1 and sum(c.num_stages for c, _ in replicas) <= tables.classes[cls].per_node
+    one_node = len(classes) == 1 and sum(len(c.device_classes) for c, _ in replicas) <= tables.classes[cls].per_node
     if one_node:
         link = tables.classes[cls].intra_link
     else:
@@ -111,7 +111,7 @@ def evaluate(tables: CostTables, replicas: list[Replica], status: str = HEURISTI
     # less its overlap with the drain
     configs = [c for c, _ in replicas]
     sync_s = max(split_sync_s(tables, c.cls, c.split.bounds, [len(replicas)], link,
-                              overlap_of(tables, configs, c.shape, c.split.bounds), c.stage_compressors)[0]
+                              overlap_of(tables, configs, c.shape, c.split.bounds), c.stage_compressors, c.chunks)[0]
                  for c in dict.fromkeys(configs))
     counts: dict[tuple[candidates.Config, int], int] = {}
     for key in replicas:

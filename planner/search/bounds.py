@@ -1,7 +1,7 @@
 """Lower bounds on any plan's iteration time at a variant's tables, cheap enough to skip a variant of the
 degree search (planner.search.degrees) before its configurations or its CP-SAT model are built.
 
-Both rest on one fact of every schedule the search offers (1F1B, GPipe: planner.core.schedule): a
+Both rest on one fact of the one-stage-per-device schedules (1F1B, GPipe: planner.core.schedule): a
 stage is one device doing its micro-batches one after another, and a micro-batch's forward runs stage
 0 to S-1 and its backward S-1 to 0. So stage k cannot start before micro-batch 1's forward has passed
 the stages before it, and after its last backward the gradient still has to pass them back:
@@ -11,7 +11,9 @@ the stages before it, and after its last backward the gradient still has to pass
 
 Over all splits of a pipeline whose stages sum to W, the smallest max_k of the right side has every
 k equal: T_k = c (M-1)^k / M^(k+1), so c = W / (1 - (1 - 1/M)^S) (`pipeline_floor_s`; W at M = 1, the
-closed form's (M + S - 1) W / S never above it). Transfers, the optimizer and the sync only add.
+closed form's (M + S - 1) W / S never above it). Transfers, the optimizer and the sync only add. Under
+interleaved 1F1B a device runs several stages and the fill is chunk-sized, so those pipelines get the
+weaker floor max(W, M W / D) of D devices (`interleaved_floor_s`).
 
 - `pipeline_bound_s`: per device class the floor of every pipeline shape the configurations could have
   (the stage counts configs.stage_count_options offers where split.fits_greedily says the blocks fit,
@@ -26,12 +28,13 @@ closed form's (M + S - 1) W / S never above it). Transfers, the optimizer and th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from costmodel.tables import CostTables
 from planner.search import hetero
 from planner.search.candidates import Config
 from planner.search.configs import MIXED_MAX_DEVICES, micro_batch_options, stage_count_options
+from planner.search.interleave_configs import CHUNK_OPTIONS
 from planner.search.pipeline import DEFAULT_MAX_MICRO
 from planner.search.split import block_time_s, fits_greedily
 
@@ -45,9 +48,17 @@ def pipeline_floor_s(work_s: float, num_stages: int, micro_batches: int) -> floa
     return work_s / (1.0 - (1.0 - 1.0 / micro_batches) ** num_stages)
 
 
+def interleaved_floor_s(work_s: float, devices: int, micro_batches: int) -> float:
+    """The least makespan of M micro-batches through stages summing to W on D devices each running several
+    of them (interleaved 1F1B): the devices share the work, and the first micro-batch passes every stage
+    forward, then back."""
+    return max(work_s, micro_batches * work_s / devices)
+
+
 def pipeline_bound_s(tables: CostTables, fixed_stages: int | None = None,
-                     fixed_micro_batch: int | None = None) -> float:
-    """A lower bound on the pipeline time of every plan these tables allow (inf: no shape fits)."""
+                     fixed_micro_batch: int | None = None, interleaved: bool = False) -> float:
+    """A lower bound on the pipeline time of every plan these tables allow (inf: no shape fits);
+    `interleaved`: the search offers interleaved 1F1B (planner.search.interleave_configs) too."""
     B = tables.global_batch
     micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(B)
     shapes: list[Shape] = []
@@ -61,6 +72,11 @@ def pipeline_bound_s(tables: CostTables, fixed_stages: int | None = None,
             for S in offered[ci]:
                 if fits_greedily(tables.classes[ci], S, m, True):
                     shapes.extend(_shapes(ci, work_s[ci], S, m, B))
+                    # interleaved: S devices of more stages (an S-device pipeline's twins), or S stages on
+                    # S / v devices (`--stages` fixes the stages): the floor of each device count
+                    for devices in ({S} | {S // v for v in CHUNK_OPTIONS if S % v == 0}) if interleaved else ():
+                        if devices >= 2:
+                            shapes.extend(_shapes(ci, work_s[ci], devices, m, B, interleaved_floor_s))
     gpus = sum(c.num_devices * c.tp_degree for c in tables.classes)
     if not shapes or gpus <= MIXED_MAX_DEVICES:      # where configs offers pipelines across two classes
         for m in micro_options:
@@ -81,15 +97,16 @@ def items_bound_s(tables: CostTables, configs: list[Config], items: Iterable[tup
     """The same bound over the CP-SAT model's items ((configuration, time ns, capacity) each)."""
     shapes: list[Shape] = []
     for k, time_ns, capacity in items:
-        classes = configs[k].classes
+        classes = configs[k].device_classes
         shapes.extend((time_ns / 1e9, ci, capacity / len(classes)) for ci in set(classes))
     return _least_time_s(tables, shapes)
 
 
-def _shapes(cls: int, work_s: float, num_stages: int, micro_batch: int, global_batch: int) -> Iterable[Shape]:
+def _shapes(cls: int, work_s: float, num_stages: int, micro_batch: int, global_batch: int,
+            floor: Callable[[float, int, int], float] = pipeline_floor_s) -> Iterable[Shape]:
     most = min(DEFAULT_MAX_MICRO, -(-global_batch // micro_batch))
     for M in range(1, most + 1):
-        yield pipeline_floor_s(work_s, num_stages, M), cls, min(M * micro_batch, global_batch) / num_stages
+        yield floor(work_s, num_stages, M), cls, min(M * micro_batch, global_batch) / num_stages
 
 
 def _least_time_s(tables: CostTables, shapes: list[Shape]) -> float:

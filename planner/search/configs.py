@@ -1,14 +1,16 @@
 """The candidate configurations the search chooses among: per (device class, stage count,
 micro-batch size) the best stage split (planner.search.split), shared splits across classes
 (align), pipelines across two classes (hetero), and each under 1F1B and, where it fits, GPipe
-(schedules), with the gradient compressors each stage has the memory for (compressors)."""
+(schedules) and interleaved 1F1B on fewer devices (interleave_configs), with the gradient compressors
+each stage has the memory for (compressors)."""
 
 from __future__ import annotations
 
 from costmodel.tables import CostTables
 from planner.search import align, hetero, schedules
-from planner.search.candidates import Config
+from planner.search.candidates import Config, shape_devices
 from planner.search.compressors import with_compressor_room
+from planner.search.interleave_configs import with_interleaved
 from planner.search.split import Split
 from planner.search.sync import drain_overlap_s
 
@@ -46,7 +48,8 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     """Per (class, stage count, micro-batch size) a configuration with its stage split: per stage
     count one split shared by the classes where it fits (aligned gradient groups, planner.search.align);
     and pipelines whose stages span two classes (planner.search.hetero). Each runs 1F1B and, as far as
-    its memory holds GPipe's micro-batches, GPipe (`schedule`: "auto" both, else that one only)."""
+    its memory holds GPipe's micro-batches, GPipe, and where its devices hold it, interleaved 1F1B on a half
+    or a quarter of its devices (`schedule`: "auto" all of them, else that one only)."""
     micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
     by_stages: dict[int, list[int]] = {}
     for ci, table in enumerate(tables.classes):
@@ -70,8 +73,12 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     if mixed_pipelines and (not configs or gpus <= MIXED_MAX_DEVICES):
         configs.extend(hetero.mixed_configs(tables, shared_by_stages, micro_options, fixed_stages))
     # each configuration's stages: which gradient compressors' state fits beside their peak memory
-    configs = with_compressor_room(tables, schedules.with_schedules(tables, configs, schedule))
-    return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b"))
+    scheduled = schedules.with_schedules(tables, configs, schedule) if schedule != "interleaved" else []
+    if schedule in ("auto", "interleaved"):
+        scheduled += with_interleaved(tables, configs, fixed_stages, micro_options)[len(configs):]   # the twins
+    configs = with_compressor_room(tables, scheduled)
+    return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b",
+                                          c.schedule, c.chunks))
 
 
 def make_config(tables: CostTables, cls: int, split: Split, micro_batch: int) -> Config:
@@ -83,6 +90,9 @@ def make_config(tables: CostTables, cls: int, split: Split, micro_batch: int) ->
 def overlap_of(tables: CostTables, configs: list[Config], shape: tuple[int, ...],
                bounds: tuple[int, ...]) -> list[float]:
     """How early each stage of this split may start its sync (planner.search.sync.drain_overlap_s),
-    at the smallest micro-batch size any configuration of this shape and split uses (the least overlap)."""
+    at the smallest micro-batch size any configuration of this shape and split uses (the least overlap).
+    Under interleaved 1F1B, per device: after a device's last backward (its first stage's, of the last
+    micro-batch) the devices before it drain their first stages', as under 1F1B on the first D stages."""
     micro = min(c.micro_batch for c in configs if c.shape == shape and c.split.bounds == bounds)
-    return drain_overlap_s(tables, shape, bounds, micro)
+    devices = shape_devices(shape)
+    return drain_overlap_s(tables, shape[:devices], bounds[:devices + 1], micro)

@@ -165,7 +165,8 @@ def search(tables: CostTables, options: SearchOptions,
     the chosen plan is the one the full search would choose. The others are solved with the best time
     so far as a cutoff (ilp.solve_regime). The runners-up then come from the variants solved."""
     by_time = options.objective == "time"
-    todo = [(max(compute_bound_s(at), bounds.pipeline_bound_s(at, options.stages, options.micro_batch))
+    interleaved = options.schedule in ("auto", "interleaved")
+    todo = [(max(compute_bound_s(at), bounds.pipeline_bound_s(at, options.stages, options.micro_batch, interleaved))
              if by_time else 0.0, t, z, at) for t, z, at in variant_tables(tables, options)]
     # The variant likeliest to win first, so that the others meet its time as a bound or a cutoff (which
     # proves them no better in a fraction of their solve); the order changes no plan, only the time to it.

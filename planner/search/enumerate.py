@@ -45,7 +45,7 @@ from planner.search.sync import split_sync_s
 MAX_ASSIGNMENTS = 2_000_000      # replica-count vectors per regime; beyond this, use the ILP
 MAX_MICRO_BATCHES = 256          # ilp.pareto_items' default bound on M
 
-Shape = tuple[int, ...]          # the device class of each stage (candidates.Config.shape)
+Shape = tuple[int, ...]          # the device class of each device, -chunks under interleaving (Config.shape)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ def shape_room(configs: list[candidates.Config], items: list[Item], shape: Shape
     rooms = [configs[it.config].stage_compressors for it in items if configs[it.config].shape == shape]
     if all(r is None for r in rooms):
         return None
-    return [group_allowed(frozenset(r[s]) for r in rooms if r is not None) for s in range(len(shape))]
+    stages = len(next(r for r in rooms if r is not None))
+    return [group_allowed(frozenset(r[s]) for r in rooms if r is not None) for s in range(stages)]
 
 
 def split_families(configs: list[candidates.Config], items: list[Item]) -> list[frozenset[tuple[int, ...]]]:
@@ -165,11 +166,11 @@ def _capacity_by_level(items: list[Item], configs: list[candidates.Config], shap
 
 def _fits_one_node(tables: CostTables, shapes: list[Shape], counts: np.ndarray, used: np.ndarray) -> bool:
     """One class only, and all its replicas together within one node."""
-    classes = {ci for h in used for ci in shapes[h]}
+    classes = {ci for h in used for ci in shapes[h] if ci >= 0}
     if len(classes) > 1:
         return False
     per_node = tables.classes[next(iter(classes))].per_node
-    return sum(int(counts[h]) * len(shapes[h]) for h in used) <= per_node
+    return sum(int(counts[h]) * candidates.shape_devices(shapes[h]) for h in used) <= per_node
 
 
 def solve_exact(tables: CostTables, configs: list[candidates.Config], use_all_devices: bool = False,
@@ -218,7 +219,8 @@ def _solve_family(tables: CostTables, configs: list[candidates.Config], items: l
             bounds = splits[shape]
             overlap = overlap_of(tables, configs, shape, bounds)
             room = shape_room(configs, items, shape)
-            link_of[h] = [to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap, room)]
+            link_of[h] = [to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap, room,
+                                                         candidates.shape_chunks(shape))]
         for vec in vectors:
             counts = np.array(vec, dtype=np.int64)
             R = int(counts.sum())

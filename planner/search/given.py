@@ -30,9 +30,10 @@ from planner.core.blocks import Block
 from planner.core.errors import OptionError, SpecError
 from planner.core.ir import Plan
 from planner.frontend.layout import DeviceChoice, Layout, ReplicaLayout, Shorthand, StageRange
-from planner.search import baselines, candidates, topology
+from planner.search import baselines, candidates, interleave, topology
 from planner.search.compressors import with_compressor_room
 from planner.search.degrees import ZERO_MAX_GROUP
+from planner.search.interleave_configs import interleaved
 from planner.search.split import costs_per_stage, equal_bounds
 
 GIVEN_STATUS = "GIVEN"           # the user's layout: nothing searched, no bound (gap 100%)
@@ -87,9 +88,12 @@ def build(layout: Layout, tables: CostTables, blocks: list[Block]) -> Given:
     for r, share in zip(replicas, shares):
         count = stage_count(r)
         bounds = _bounds(layout, r, count, tables.num_blocks, layers)
-        classes = _classes(layout, r, at_t, room, count)
+        devices = _classes(layout, r, at_t, room, count // r.chunks)
         m = _micro_batch(layout, r, share, count)
-        out.append((_config(at_t, classes, bounds, m, r.schedule, math.ceil(share / m)), share))
+        if r.chunks > 1:
+            out.append((_interleaved(layout, r, at_t, devices, bounds, m, share), share))
+        else:
+            out.append((_config(at_t, devices, bounds, m, r.schedule, math.ceil(share / m)), share))
     return Given(baselines.evaluate(at_t, out, status=GIVEN_STATUS), at_t, tuple(replicas))
 
 
@@ -148,8 +152,9 @@ def spell_out(short: Shorthand, tables: CostTables) -> tuple[ReplicaLayout, ...]
     out: list[ReplicaLayout] = []
     for ci in order:
         for _ in range(min(held[ci], short.dp - len(out))):
-            out.append(ReplicaLayout(DeviceChoice((tables.classes[ci].name,)), stages=short.pp, tp=short.tp,
-                                     micro_batch=short.mb, where=f"--layout replica {len(out)}"))
+            out.append(ReplicaLayout(DeviceChoice((tables.classes[ci].name,)), stages=short.pp * short.vpp,
+                                     tp=short.tp, micro_batch=short.mb, where=f"--layout replica {len(out)}",
+                                     schedule="interleaved" if short.vpp > 1 else "1f1b", chunks=short.vpp))
     return tuple(out)
 
 
@@ -177,13 +182,13 @@ def _shares(layout: Layout, replicas: tuple[ReplicaLayout, ...], global_batch: i
 
 
 def stage_count(r: ReplicaLayout) -> int:
-    """Replica `r`'s stages: its ranges, its count, its devices over tp, else one."""
-    return len(r.ranges) or r.stages or (r.devices.count // r.tp if r.devices.count else 1)
+    """Replica `r`'s stages: its ranges, its count, its devices over tp (times its chunks), else one."""
+    return len(r.ranges) or r.stages or (r.devices.count // r.tp * r.chunks if r.devices.count else r.chunks)
 
 
 def _classes(layout: Layout, r: ReplicaLayout, tables: CostTables, room: list[int], count: int) -> tuple[int, ...]:
-    """The device class of each of replica `r`'s `count` stages, taken from `room` (free devices per
-    class, in units of tp devices)."""
+    """The device class of each of replica `r`'s `count` devices (a stage each, but under interleaved 1F1B),
+    taken from `room` (free devices per class, in units of tp devices)."""
     names = r.devices.names
     per_stage = names if len(names) == count else names * count
     known_groups = [c.name for c in tables.classes]
@@ -270,13 +275,32 @@ def _micro_batch(layout: Layout, r: ReplicaLayout, share: int, num_stages: int) 
     share over the given count, else over the stage count."""
     if r.micro_batch is not None:
         m = min(r.micro_batch, share)
-        if r.micro_batches is not None and math.ceil(share / m) != r.micro_batches:
+        split = interleave.split_rows(num_stages // r.chunks, share, m) if r.chunks > 1 else None
+        made = len(split) if split else math.ceil(share / m)
+        if r.micro_batches is not None and made != r.micro_batches:
             _fail(layout, f"{r.where}.micro_batches", f"a share of {share} in micro-batches of {m} is "
-                  f"{math.ceil(share / m)} micro-batches, not {r.micro_batches}",
+                  f"{made} micro-batches, not {r.micro_batches}",
                   "give two of share, micro_batch and micro_batches, or three that agree")
         return m
     count = r.micro_batches if r.micro_batches is not None else num_stages
     return max(1, math.ceil(share / count))
+
+
+def _interleaved(layout: Layout, r: ReplicaLayout, tables: CostTables, devices: tuple[int, ...],
+                 bounds: tuple[int, ...], micro_batch: int, share: int) -> candidates.Config:
+    """An interleaved replica's configuration (planner.search.interleave_configs), its devices of one class."""
+    if len(set(devices)) > 1:
+        _fail(layout, f"{r.where}.devices", "interleaved 1F1B on devices of several node groups",
+              "give the replica's devices one node group or device type")
+    if interleave.split_rows(len(devices), share, micro_batch) is None:
+        _fail(layout, f"{r.where}.micro_batch", f"a share of {share} in micro-batches of at most {micro_batch} "
+              f"fills no whole round of the interleaved schedule on {len(devices)} devices",
+              f"give a share and micro_batch whose count is below {2 * len(devices)} or a multiple of "
+              f"{len(devices)}")
+    config = interleaved(tables, devices[0], len(devices), r.chunks, micro_batch, bounds)
+    if config is None:
+        _fail(layout, f"{r.where}.stages", "the stages do not split the model's blocks", "report this layout")
+    return config
 
 
 def _config(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...], micro_batch: int,

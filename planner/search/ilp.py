@@ -38,8 +38,8 @@ from ortools.sat.python import cp_model
 from costmodel.tables import CostTables
 from planner.core.cluster import Link
 from planner.core.units import NS_PER_S
-from planner.search import align, pipeline
-from planner.search.candidates import Choice, Config, Solution, to_ns
+from planner.search import align, interleave, pipeline
+from planner.search.candidates import Choice, Config, Solution, shape_chunks, to_ns
 from planner.search.configs import overlap_of
 from planner.search.solver import DEFAULT_SETTINGS, SolverSettings, solve_model
 from planner.search.sync import split_sync_s
@@ -73,6 +73,10 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     B = tables.global_batch
     pipeline.prime([(c.split.fwd_s, c.split.bwd_s, c.split.send_s) for c in configs if c.schedule == "1f1b"],
                    max_micro)      # every 1F1B table at once, then read count by count
+    for chunks in sorted({c.chunks for c in configs if c.schedule == "interleaved"}):
+        group = [c for c in configs if c.schedule == "interleaved" and c.chunks == chunks]
+        interleave.prime([(c.split.fwd_s, c.split.bwd_s, c.split.send_s) for c in group], chunks,
+                         {M for c in group for M in c.micro_batch_counts(B, max_micro)})
     every = [Item(k, M, c.replica_time_ns(M), min(M * c.micro_batch, B))
              for k, c in enumerate(configs) for M in c.micro_batch_counts(B, max_micro)]
     return frontier(every, configs, step_fraction)
@@ -192,8 +196,10 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
         table = tables.classes[ci]
         link = table.intra_link if one_node else inter
         overlap = overlap_of(tables, configs, shape, bounds)
-        at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap, room or None)]
-        model.add(t_sync >= sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
+        at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap, room or None,
+                                              shape_chunks(shape))]
+        # at[0]: one replica's sync, nonzero where a tied parameter joins stages of one pipeline
+        model.add(t_sync >= at[0] + sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
                   ).only_enforce_if(group_used)
     if one_node:
         for ci, table in enumerate(tables.classes):   # all replicas of the class fit in one node

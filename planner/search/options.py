@@ -13,11 +13,11 @@ from planner.search.solver import SolverSettings
 @dataclass(frozen=True)
 class SearchOptions:
     strategy: str = "ilp"              # ilp | exact | a baseline (planner.search.baselines.SOLVERS)
-    stages: int | None = None          # force the pipeline depth of every replica
+    stages: int | None = None          # every pipeline's stages (interleaved: on stages / v devices)
     tp: int | None = None              # force the tensor-parallel degree of every stage (None: searched)
     zero: str = "auto"                 # ZeRO-1: auto (offered where memory is short) | on (every group) | off
     micro_batch: int | None = None     # force the micro-batch size
     use_all_devices: bool = False      # every device must serve a stage
-    schedule: str = "auto"             # auto (chosen per replica) | 1f1b | gpipe
+    schedule: str = "auto"             # auto (chosen per replica) | 1f1b | gpipe | interleaved
     objective: str = "time"            # time per iteration | cost per sample
     solver: SolverSettings = field(default_factory=SolverSettings)

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.core.errors import PlanningError
-from planner.search.assemble import _micro_sizes
 
 MIN_ROWS = 1    # every replica keeps at least one row: its ranks run the schedule and sync gradients
 
@@ -60,8 +59,9 @@ class Shares:
 
 
 def micro_batch_sizes(rows: int, micro_batch: int) -> tuple[int, ...]:
-    """A share cut into micro-batches as the planner cuts it: full micro-batches, then the rest."""
-    return _micro_sizes(rows, micro_batch)
+    """A share cut into micro-batches as the planner cuts it (1F1B, GPipe): full micro-batches, then the rest."""
+    full, rest = divmod(rows, micro_batch)
+    return tuple([micro_batch] * full + ([rest] if rest else []))
 
 
 def time_at_s(speed: ReplicaSpeed, rows: int, micro_batch: int) -> float:

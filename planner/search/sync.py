@@ -59,20 +59,28 @@ def drain_overlap_s(tables: CostTables, stage_classes: Sequence[int], bounds: tu
 
 def split_sync_s(tables: CostTables, cls: int, bounds: tuple[int, ...], replica_counts: Sequence[int],
                  link: Link, overlap_s: Sequence[float] | None = None,
-                 allowed: Sequence[Collection[str] | None] | None = None) -> list[float]:
+                 allowed: Sequence[Collection[str] | None] | None = None, chunks: int = 1) -> list[float]:
     """For each replica count: the sync time left after the pipeline ends, the slowest stage's (its
     own group, then its tied groups), less the stage's `overlap_s` (drain_overlap_s) where given.
     A stage with tied groups waits for every holder, so it overlaps only as much as the earliest
     holder in the pipeline (the one that finishes last). `allowed`: per stage, the gradient
-    compressors whose state it has the memory for (Config.stage_compressors; None: any)."""
+    compressors whose state it has the memory for (Config.stage_compressors; None: any).
+
+    Under interleaved 1F1B (`chunks` stages per device, stage k on device k mod D) a device runs the groups
+    of its stages one after another once its last backward ends: the slowest device's sum, less the
+    device's `overlap_s` (then given per device)."""
     parts = stage_sync_parts(tables, bounds)
     S = len(parts)
-    overlap = list(overlap_s) if overlap_s is not None else [0.0] * S
+    devices = S // chunks
+    overlap = list(overlap_s) if overlap_s is not None else [0.0] * (devices if chunks > 1 else S)
     holders = _tied_holders(tables, bounds)
-    start = [min([overlap[s]] + [overlap[h] for h in holders[s]]) for s in range(S)]
+    device_of = [s % devices for s in range(S)]
+    on_device = [overlap[device_of[s]] for s in range(S)] if chunks > 1 else overlap
+    start = [min([on_device[s]] + [on_device[h] for h in holders[s]]) for s in range(S)]
     # a stage syncing fewer bytes and starting no earlier than another untied stage is never slowest
-    # (ring all-reduces; compressors differ per stage in what they save and in whether they fit)
-    every = compression_of(tables).compresses_gradients
+    # (ring all-reduces; compressors differ per stage in what they save and in whether they fit); under
+    # interleaving every stage counts towards its device's sum
+    every = compression_of(tables).compresses_gradients or chunks > 1
     candidates = [s for s in range(S) if parts[s][1] or every]
     best_overlap = float("inf")
     for s in sorted((s for s in range(S) if not (parts[s][1] or every)), key=lambda s: (-parts[s][0], start[s])):
@@ -81,16 +89,25 @@ def split_sync_s(tables: CostTables, cls: int, bounds: tuple[int, ...], replica_
             best_overlap = start[s]
     fitting = list(allowed) if allowed is not None else [None] * S
     own_params, tied_groups = _group_params(tables, bounds)
-    worst = [0.0] * len(replica_counts)
+    per_stage: dict[int, list[float]] = {}
     for s in candidates:
         own_bytes, tied = parts[s]
         own = group_sync_s(tables, cls, own_params[s], own_bytes, replica_counts, link, fitting[s])
         tied_s = [group_sync_s(tables, cls, params, nbytes, [holders_n * R for R in replica_counts], link,
                                group_allowed(fitting[h] for h in holder_stages))
                   for (nbytes, holders_n), (params, holder_stages) in zip(tied, tied_groups[s])]
+        per_stage[s] = [own[i] + sum(times[i] for times in tied_s) for i in range(len(replica_counts))]
+    worst = [0.0] * len(replica_counts)
+    if chunks > 1:
+        for d in range(devices):
+            mine = [s for s in per_stage if device_of[s] == d]
+            begin = min(start[s] for s in mine)
+            for i in range(len(replica_counts)):
+                worst[i] = max(worst[i], sum(per_stage[s][i] for s in mine) - begin)
+        return worst
+    for s, times in per_stage.items():
         for i in range(len(replica_counts)):
-            t = own[i] + sum(times[i] for times in tied_s)
-            worst[i] = max(worst[i], t - start[s])
+            worst[i] = max(worst[i], times[i] - start[s])
     return worst
 
 

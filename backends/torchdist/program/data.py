@@ -42,9 +42,10 @@ DEFAULT_PREFETCH = 2       # micro-batches each worker keeps ready
 WORKER_START = "fork"      # the model file's dataset class lives in a module no child could import by name
 
 
-def stage_needs(split: StageSplit, stage_index: int, is_last: bool) -> Needs:
-    """What a stage reads of the data: the inputs when it reads a model input, the target when it is last."""
-    reads_input = any(name in split.model_inputs for name in split.stages[stage_index].inputs)
+def stage_needs(split: StageSplit, stage_indices: list[int], is_last: bool) -> Needs:
+    """What a rank's stages read of the data: the inputs when one reads a model input, the target when the
+    rank runs the last stage."""
+    reads_input = any(name in split.model_inputs for k in stage_indices for name in split.stages[k].inputs)
     return Needs(inputs=reads_input, target=is_last)
 
 

@@ -1,5 +1,6 @@
-"""The schedule executor: this rank's stage runs the actions of its replica's schedule (1F1B or GPipe,
-planner.core.schedule), forward and backward per micro-batch, with explicit sends and receives.
+"""The schedule executor: this rank's stage runs the actions of its replica's schedule (1F1B, GPipe or
+interleaved 1F1B, planner.core.schedule), forward and backward per micro-batch, with explicit sends and
+receives; under interleaved 1F1B the rank runs several stages, and values are relayed stage to stage.
 
 torch.distributed.pipelining is not used because a plan here has replicas with different batch shares
 and micro-batch sizes (so different shapes per replica) and skip connections that jump over stages;
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from passes.comm.derive import edge_pairs
-from passes.split import StageSplit
+from passes.split import StageSplit, relayed
 from planner import frontend
 from planner.core import schedule as sched
 from planner.core.ir import Plan
@@ -83,99 +84,113 @@ class StageExecutor:
             old.close()
 
     def train_step(self, step: int) -> float:
-        """Forward and backward of this rank's stage for every micro-batch of step `step`; returns the
+        """Forward and backward of this rank's stages for every micro-batch of step `step`; returns the
         loss contribution of this rank (last stages: share-weighted mean over their rows)."""
         ctx = self.ctx
         self.slowdown.begin_step(step)
         micro = self.data.micro_batches(step)
-        actions = sched.make(ctx.replica.schedule, ctx.num_stages, len(micro))[ctx.stage.index]
-        saved: dict[int, dict[str, Any]] = {}
+        actions = sched.make(ctx.replica.schedule, ctx.num_stages, len(micro), ctx.replica.chunks)[ctx.stage.index]
+        saved: dict[tuple[int, int], dict[str, Any]] = {}
         loss_sum = 0.0
         for action in actions:
             with self.slowdown.padded():
                 if action.kind == "F":
-                    loss_sum += self._forward(action.micro, micro[action.micro], saved)
+                    loss_sum += self._forward(action.stage, action.micro, micro[action.micro], saved)
                 else:
-                    self._backward(action.micro, saved)
+                    self._backward(action.stage, action.micro, saved)
         self.p2p.wait_sends()
         return loss_sum
 
-    def _forward(self, j: int, mb: MicroBatch, saved: dict[int, dict[str, Any]]) -> float:
+    def _routes(self, split: StageSplit, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, list[int]]]]:
+        """Stage k's values in: (name, the stage it comes from), and out: (name, the stages it goes to), each
+        in value order. Values go from their producer to each stage reading them; under interleaved 1F1B they
+        are relayed stage to stage (passes.split.relayed), so a rank's stages talk to their neighbours only."""
+        order = {name: i for i, name in enumerate(sorted(split.values))}
+        if self.ctx.replica.chunks > 1:
+            into, out = relayed(split.values, k, self.ctx.num_stages)
+            return [(n, k - 1) for n in into], [(n, [k + 1]) for n in out]
+        stage = split.stages[k]
+        incoming = [(n, split.values[n].producer) for n in sorted(stage.inputs, key=order.__getitem__)
+                    if split.values[n].producer != -1]
+        outgoing = [] if k == self.ctx.num_stages - 1 else \
+            [(n, [c for c in split.values[n].consumers if c < self.ctx.num_stages])
+             for n in sorted(stage.outputs, key=order.__getitem__)]
+        return incoming, outgoing
+
+    def _forward(self, k: int, j: int, mb: MicroBatch, saved: dict[tuple[int, int], dict[str, Any]]) -> float:
         ctx = self.ctx
+        last = k == ctx.num_stages - 1
         split = self.graphs.split_at(mb.rows)
-        stage = split.stages[ctx.stage.index]
+        stage = split.stages[k]
         local = dict(zip(split.model_inputs, mb.inputs))
         value_index = {name: i for i, name in enumerate(sorted(split.values))}
+        incoming, outgoing = self._routes(split, k)
         received = []
         # values travel in value order both ways (sends, receives, their gradients): NCCL matches the
         # messages of two ranks in the order they are issued, not by tag (passes.comm verifies the order)
-        for name in sorted(stage.inputs, key=value_index.__getitem__):
+        for name, source in incoming:
             info = split.values[name]
-            if info.producer == -1:
-                continue
-            t = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(info.producer),
+            t = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(source),
                               tag(j, value_index[name], False, len(value_index)), ctx.device,
-                              codec=self.edges[info.producer, ctx.stage.index])
+                              codec=self.edges[source, k])
             if info.needs_grad:
                 t.requires_grad_(True)
-            received.append((name, t))
-        arrived = dict(received)
+            received.append((name, t, source))
+        arrived = {name: t for name, t, _ in received}
         args = [arrived[name] if name in arrived else local[name] for name in stage.inputs]
         with precision.autocast(self.compute_dtype, ctx.device):
-            if ctx.stage.recompute:   # keep only the stage inputs; rerun the forward during backward
+            if ctx.replica.stages[k].recompute:   # keep only the stage inputs; rerun the forward during backward
                 outs = torch.utils.checkpoint.checkpoint(stage.module, *args, use_reentrant=False)
             else:
                 outs = stage.module(*args)
-            if ctx.is_last:
+            if last:
                 output = split.model_output(outs)    # the structure the model returns on one process
                 loss = self.model_file.loss_fn(output, mb.target) * (mb.rows / self.plan.global_batch)
         record: dict[str, Any] = {"received": received, "sent": [], "split": split}
         contribution = 0.0
-        if ctx.is_last:
+        if last:
             record["loss"] = self.scaler.scale_loss(loss) if self.scaler else loss
             contribution = float(loss.detach())
         else:
-            for name, t in sorted(zip(stage.outputs, outs), key=lambda item: value_index[item[0]]):
+            made = dict(zip(stage.outputs, outs))
+            for name, targets in outgoing:
                 info = split.values[name]
-                for consumer in info.consumers:
-                    if consumer < ctx.num_stages:
-                        self.p2p.send(t, ctx.rank_of_stage(consumer),
-                                      tag(j, value_index[name], False, len(value_index)),
-                                      dtype=info.dtype, codec=self.edges[ctx.stage.index, consumer])
-                record["sent"].append((name, t))
-        saved[j] = record
+                t = made[name] if name in made else arrived[name]       # relayed: handed on as it came
+                for consumer in targets:
+                    self.p2p.send(t, ctx.rank_of_stage(consumer),
+                                  tag(j, value_index[name], False, len(value_index)),
+                                  dtype=info.dtype, codec=self.edges[k, consumer])
+                record["sent"].append((name, t, targets))
+        saved[(k, j)] = record
         return contribution
 
-    def _backward(self, j: int, saved: dict[int, dict[str, Any]]) -> None:
+    def _backward(self, k: int, j: int, saved: dict[tuple[int, int], dict[str, Any]]) -> None:
         ctx = self.ctx
-        record = saved.pop(j)
+        record = saved.pop((k, j))
         split: StageSplit = record["split"]
         value_index = {name: i for i, name in enumerate(sorted(split.values))}
-        if ctx.is_last:
+        if k == ctx.num_stages - 1:
             record["loss"].backward()
         else:
             tensors, grads = [], []
-            for name, t in record["sent"]:
+            for name, t, targets in record["sent"]:
                 info = split.values[name]
                 if not info.needs_grad:
                     continue
                 total = None
-                for consumer in info.consumers:
-                    if consumer >= ctx.num_stages:
-                        continue
+                for consumer in targets:
                     g = self.p2p.recv(info.shape, info.dtype, ctx.rank_of_stage(consumer),
                                       tag(j, value_index[name], True, len(value_index)), ctx.device,
-                                      codec=self.edges[ctx.stage.index, consumer])
+                                      codec=self.edges[k, consumer])
                     total = g if total is None else total + g
                 if total is not None and t.requires_grad:
                     tensors.append(t)
                     grads.append(total.to(t.dtype))   # t may be half under autocast
             if tensors:
                 torch.autograd.backward(tensors, grads)
-        for name, t in record["received"]:
+        for name, t, source in record["received"]:
             if not split.values[name].needs_grad:   # context (masks, positions): no gradient flows
                 continue
             grad = t.grad if t.grad is not None else torch.zeros_like(t)
-            producer = split.values[name].producer
-            self.p2p.send(grad, ctx.rank_of_stage(producer), tag(j, value_index[name], True, len(value_index)),
-                          dtype=split.values[name].dtype, codec=self.edges[producer, ctx.stage.index])
+            self.p2p.send(grad, ctx.rank_of_stage(source), tag(j, value_index[name], True, len(value_index)),
+                          dtype=split.values[name].dtype, codec=self.edges[source, k])

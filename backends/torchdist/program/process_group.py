@@ -39,7 +39,8 @@ FOR_PEER_EXIT_DELAY_S = 2.0
 
 @dataclass
 class Context:
-    """Who this process is in the plan."""
+    """Who this process is in the plan: `stage` is the first of its stages, `stages` all of them (more than
+    one under interleaved 1F1B, planner.core.ir.ReplicaPlan.stages_with)."""
 
     rank: int
     world_size: int
@@ -51,16 +52,23 @@ class Context:
     tp_group: dist.ProcessGroup | None = None           # the stage's shards (None: no tensor parallelism)
 
     @property
+    def stages(self) -> tuple[StagePlan, ...]:
+        return self.replica.stages_with(self.stage)
+
+    @property
     def num_stages(self) -> int:
         return len(self.replica.stages)
 
     @property
     def is_first(self) -> bool:
+        """This rank runs the replica's first stage."""
         return self.stage.index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage.index == self.num_stages - 1
+        """This rank runs the replica's last stage."""
+        return self.stages[-1].index == self.num_stages - 1
+
 
     def rank_of_stage(self, stage: int) -> int:
         """The rank of stage `stage` this rank exchanges activations with: the same shard lane's."""

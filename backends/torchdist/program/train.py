@@ -143,7 +143,7 @@ def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.Mod
     graphs = stages.StageGraphs(meta, model_file, [s.last_node for s in ctx.replica.stages],
                                 ctx.replica.micro_batch_sizes, lambda rows: data.meta_inputs(model_file, rows),
                                 ctx.device, shard=shards.shard_graph if shards else None)
-    names = graphs.tensor_names(ctx.stage.index) + list(ctx.stage.params)
+    names = list(dict.fromkeys(name for st in ctx.stages for name in [*graphs.tensor_names(st.index), *st.params]))
     values = materialise.materialise(meta, names, ctx.device)
     if args.weights is not None:         # the checkpoint's values replace the contract's, name by name
         expected = weights.model_tensors(meta.module)
@@ -151,8 +151,9 @@ def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.Mod
                           weights.tied_aliases(meta.module), model_names=list(expected))
     if shards is not None:               # this rank's slice of each parameter the pairs split
         values = shards.shard_values(values)
-    graphs.install(ctx.stage.index, values)
-    params = {name: values[name] for name in ctx.stage.params}
+    for st in ctx.stages:
+        graphs.install(st.index, values)
+    params = {name: values[name] for st in ctx.stages for name in st.params}
     return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}, values
 
 
@@ -170,7 +171,13 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
 
 
 def _check_tensor_parallel(plan: Plan, args: argparse.Namespace) -> None:
-    """What a plan with tensor parallelism does not run yet, refused on every rank alike (one line each)."""
+    """What a plan with tensor parallelism or interleaved 1F1B does not run yet, refused on every rank alike
+    (one line each)."""
+    interleaved = [r.index for r in plan.replicas if r.chunks > 1]
+    if interleaved and args.rebalance:
+        raise OptionError(f"--rebalance is not supported yet for a plan with interleaved 1F1B (replicas "
+                          f"{interleaved}): new micro-batch counts must fill whole rounds of the schedule",
+                          field="--rebalance", fix="run without --rebalance, or re-plan with --schedule 1f1b")
     if plan.tp_degree == 1:
         return
     if args.rebalance:
@@ -189,7 +196,8 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
     model_file = frontend.load_model_file(here / "model.py", functions)
     graphs, params, tensors = start_stage(plan, ctx, model_file, args)
     rows = data.ReplicaData(model_file, plan, ctx.replica.index, ctx.device, seed=args.seed, steps=args.steps,
-                            needs=data.stage_needs(graphs.split_at(graphs.sizes[0]), ctx.stage.index, ctx.is_last))
+                            needs=data.stage_needs(graphs.split_at(graphs.sizes[0]), [st.index for st in ctx.stages],
+                                                   ctx.is_last))
     faults.check_devices(args.fault, plan.devices)
     fault_set = faults.Faults(args.fault, plan.devices[ctx.rank])
     executor = pipeline.StageExecutor(plan, ctx, model_file, graphs, params, rows, cpu_autocast=args.cpu_autocast,
