@@ -9,7 +9,9 @@ import pytest
 
 from backends.sim.engine import simulate
 from backends.sim.inputs import ReplicaWork, SimInput, StageWork
+from planner.core import schedule as sched
 from planner.search import interleave
+from planner.search.interleave_configs import SATURATED_ROUNDS, in_flight_counts
 from planner.search.pipeline import pipeline_s
 
 
@@ -62,3 +64,21 @@ def test_chunks_shrink_the_fill() -> None:
                                         v, M)
     assert one_f_one_b == pytest.approx((M + D - 1) * c)
     assert interleaved == pytest.approx((M + (D - 1) / v) * c)
+
+
+@pytest.mark.parametrize(("devices", "chunks"), [(2, 2), (3, 2), (4, 4), (8, 2)])
+def test_in_flight_vectors_give_the_walks_peak(devices: int, chunks: int) -> None:
+    """The peak of a device's kept activations, from its undominated in-flight vectors, is the one the
+    schedule's action list reaches, whatever each stage keeps per micro-batch."""
+    rng = random.Random(devices * 10 + chunks)
+    schedule = sched.interleaved(devices, chunks, SATURATED_ROUNDS * devices)
+    vectors = in_flight_counts(devices, chunks)
+    for _ in range(20):
+        acts = [rng.choice([0.0, rng.uniform(0.1, 5.0)]) for _ in range(devices * chunks)]
+        for d, actions in enumerate(schedule):
+            live = walked = 0.0
+            for a in actions:
+                live += acts[a.stage] if a.kind == "F" else -acts[a.stage]
+                walked = max(walked, live)
+            peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(v)) for v in vectors[d])
+            assert peak == pytest.approx(walked, rel=1e-12, abs=1e-12)

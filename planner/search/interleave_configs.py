@@ -15,6 +15,7 @@ which the compressors' state is not priced for).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -105,15 +106,31 @@ def device_need_bytes(table: ClassTable, bounds: tuple[int, ...], micro_batch: i
     backward working set (its largest stage's) and the framework's memory."""
     K = devices * chunks
     acts = [sum(table.act_bytes[bounds[k]:bounds[k + 1]]) * micro_batch for k in range(K)]
-    schedule = sched.interleaved(devices, chunks, SATURATED_ROUNDS * devices)
     out = []
-    for d, actions in enumerate(schedule):
-        live = peak = 0.0
-        for a in actions:
-            live += acts[a.stage] if a.kind == "F" else -acts[a.stage]
-            peak = max(peak, live)
+    for d, counts in enumerate(in_flight_counts(devices, chunks)):
+        peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(vector)) for vector in counts)
         own = range(d, K, devices)
         state = sum(sum(table.state_bytes[bounds[k]:bounds[k + 1]]) for k in own)
         working = max(stage_transient_bytes(table, bounds[k], bounds[k + 1]) for k in own) * micro_batch
         out.append(memory.need_bytes(state, peak + working, table.framework_bytes))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def in_flight_counts(devices: int, chunks: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per device: the micro-batches in flight on each of its chunks after each forward of the saturated
+    schedule (SATURATED_ROUNDS rounds), only those no other vector covers chunk by chunk: whatever each
+    chunk keeps per micro-batch, the device's peak is one of them. The walk is the schedule's own, made
+    once per devices x chunks instead of once per split."""
+    schedule = sched.interleaved(devices, chunks, SATURATED_ROUNDS * devices)
+    out = []
+    for actions in schedule:
+        live = [0] * chunks
+        seen: set[tuple[int, ...]] = set()
+        for a in actions:
+            live[a.stage // devices] += 1 if a.kind == "F" else -1
+            if a.kind == "F":
+                seen.add(tuple(live))
+        out.append(tuple(v for v in seen
+                         if not any(w != v and all(x >= y for x, y in zip(w, v)) for w in seen)))
+    return tuple(out)
