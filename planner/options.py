@@ -11,6 +11,7 @@ from pathlib import Path
 from costmodel import compression
 from planner.core import schedule
 from planner.core.errors import OptionError
+from planner.search.interleave_configs import CHUNK_OPTIONS, device_splits
 from planner.search.options import SearchOptions
 from planner.search.solver import SolverSettings
 from planner.search.strategies import STRATEGIES
@@ -89,6 +90,12 @@ def check_options(options: PlanOptions) -> None:
     _whole(options.global_batch, "--global-batch", "global batch", maximum=MAX_GLOBAL_BATCH)
     if options.stages is not None:
         _whole(options.stages, "--stages", "pipeline depth", maximum=options.max_blocks)
+        if options.schedule == "interleaved" and not device_splits(options.stages):
+            raise OptionError(f"{options.stages} stages cannot interleave: each device holds "
+                              f"{' or '.join(map(str, CHUNK_OPTIONS))} stages and a pipeline needs two devices "
+                              "at least", field="--stages",
+                              fix="use an even number of stages from 4 (two devices holding two each), or drop "
+                                  "--stages")
     if options.tp is not None and options.tp not in TP_DEGREES:
         raise OptionError(f"tensor-parallel degree {options.tp!r} is not one of {', '.join(map(str, TP_DEGREES))}",
                           field="--tp", fix="give 1, 2, 4 or 8 (a divisor of the devices per node), or leave it out")

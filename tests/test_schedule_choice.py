@@ -138,5 +138,5 @@ def test_a_stage_count_that_cannot_interleave_is_named(tmp_path) -> None:
                         "--schedule", "interleaved", "--stages", "2", "-o", str(tmp_path / "out"))
     assert proc.returncode != 0
     line = proc.stderr.strip().splitlines()[-1]
-    assert "--stages" in line and "cannot interleave" in line and "multiple of 4" in line
+    assert "--stages" in line and "cannot interleave" in line and "even number of stages from 4" in line
     assert not (tmp_path / "out").exists()

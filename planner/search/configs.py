@@ -75,7 +75,7 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     # each configuration's stages: which gradient compressors' state fits beside their peak memory
     scheduled = schedules.with_schedules(tables, configs, schedule) if schedule != "interleaved" else []
     if schedule in ("auto", "interleaved"):
-        scheduled += with_interleaved(tables, configs, fixed_stages, micro_options)[len(configs):]   # the twins
+        scheduled += with_interleaved(tables, configs, fixed_stages, micro_options)
     configs = with_compressor_room(tables, scheduled)
     return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b",
                                           c.schedule, c.chunks))

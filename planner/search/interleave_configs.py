@@ -38,13 +38,13 @@ def device_splits(stages: int) -> list[tuple[int, int]]:
 
 def with_interleaved(tables: CostTables, configs: list[Config], fixed_stages: int | None = None,
                      micro_options: Sequence[int] = ()) -> list[Config]:
-    """`configs` and, for each single-class 1F1B pipeline of D >= 2 devices (class, depth, micro-batch size),
+    """For each single-class 1F1B pipeline of D >= 2 devices (class, depth, micro-batch size),
     its interleaved twins with v of CHUNK_OPTIONS stages per device, where the blocks are enough for v D
     stages and every device holds its stages; with `fixed_stages` K (`--stages`: the pipeline's stages),
     those of K stages on K / v devices instead, at each of `micro_options` (K may exceed the devices, so
     that no 1F1B pipeline of K stages exists)."""
     if compression_of(tables).compresses_gradients:
-        return configs
+        return []
     twins = []
     if fixed_stages is None:
         shapes = {(c.cls, c.num_stages, c.micro_batch, v): None for c in configs
@@ -58,7 +58,7 @@ def with_interleaved(tables: CostTables, configs: list[Config], fixed_stages: in
             twin = interleaved(tables, cls, devices, chunks, micro_batch)
             if twin is not None:
                 twins.append(twin)
-    return configs + twins
+    return twins
 
 
 def interleaved(tables: CostTables, cls: int, devices: int, chunks: int, micro_batch: int,

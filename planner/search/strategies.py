@@ -9,7 +9,7 @@ from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import PlanningError
 from planner.core.ir import Plan, PlanInputs
-from planner.search import baselines, candidates, cost, degrees, explain, interleave_configs
+from planner.search import baselines, candidates, cost, degrees, explain
 from planner.search.assemble import assemble
 from planner.search.options import SearchOptions
 
@@ -31,12 +31,6 @@ def run_with_alternatives(name: str, *, tables: CostTables, blocks: list[Block],
         return baselines.run(name, tables=tables, blocks=blocks, spec=spec, inputs=inputs, options=options), []
     if options.objective == "cost":
         cost.check_prices(tables, spec.source_path)
-    if options.schedule == "interleaved" and options.stages and not interleave_configs.device_splits(options.stages):
-        raise PlanningError(f"{options.stages} stages cannot interleave: each device holds "
-                            f"{' or '.join(map(str, interleave_configs.CHUNK_OPTIONS))} stages and a pipeline "
-                            "needs two devices at least", field="--stages",
-                            fix=f"use a multiple of {2 * min(interleave_configs.CHUNK_OPTIONS)} (4: two devices "
-                                "holding two stages each), or drop --stages")
     found = degrees.best(tables, options)
     if not found:
         if not degrees.variants(tables, options):
