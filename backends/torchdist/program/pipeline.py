@@ -101,11 +101,12 @@ class StageExecutor:
         self.p2p.wait_sends()
         return loss_sum
 
-    def _routes(self, split: StageSplit, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, list[int]]]]:
+    def _routes(self, split: StageSplit, k: int, order: dict[str, int],
+                ) -> tuple[list[tuple[str, int]], list[tuple[str, list[int]]]]:
         """Stage k's values in: (name, the stage it comes from), and out: (name, the stages it goes to), each
-        in value order. Values go from their producer to each stage reading them; under interleaved 1F1B they
-        are relayed stage to stage (passes.split.relayed), so a rank's stages talk to their neighbours only."""
-        order = {name: i for i, name in enumerate(sorted(split.values))}
+        in value order (`order`: each value's index). Values go from their producer to each stage reading them;
+        under interleaved 1F1B they are relayed stage to stage (passes.split.relayed), so a rank's stages talk
+        to their neighbours only."""
         if self.ctx.replica.chunks > 1:
             into, out = relayed(split.values, k, self.ctx.num_stages)
             return [(n, k - 1) for n in into], [(n, [k + 1]) for n in out]
@@ -124,7 +125,7 @@ class StageExecutor:
         stage = split.stages[k]
         local = dict(zip(split.model_inputs, mb.inputs))
         value_index = {name: i for i, name in enumerate(sorted(split.values))}
-        incoming, outgoing = self._routes(split, k)
+        incoming, outgoing = self._routes(split, k, value_index)
         received = []
         # values travel in value order both ways (sends, receives, their gradients): NCCL matches the
         # messages of two ranks in the order they are issued, not by tag (passes.comm verifies the order)
