@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,9 @@ from planner import dumps, frontend, own_processes, runners_up
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import HetplanError, PlanningError
+from planner.core.forked import forked
 from planner.core.frozen_heap import frozen_heap
-from planner.core.ir import Plan, PlanInputs
+from planner.core.ir import Plan, PlanInputs, SolverFacts
 from planner.frontend.cluster import load_cluster
 from planner.frontend.model_file import check_dataset
 from planner.frontend.onnx_model import OnnxModel, is_onnx_file, load_onnx_model
@@ -52,6 +53,9 @@ from planner.search.configs import build_configs
 from planner.search.options import SearchOptions
 
 DEFAULT_TRACE_BATCH = 2
+# how long a forked step (the runners-up, the communication verifier) may go without a result before it is
+# killed and made here instead (core.forked): 100x what each takes for Llama-2-70B on 1024 GPUs
+CHILD_WAIT_S = 120.0
 
 
 @dataclass
@@ -60,7 +64,9 @@ class PlanResult:
     graph: fx.GraphModule
     blocks: list[Block]
     tables: CostTables
-    timings_s: dict[str, float]        # per phase: load_s, trace_s, cost_s, search_s, comm_s, runners_up_s, total_s
+    # per phase: load_s, trace_s, cost_s, search_s, comm_s, runners_up_s, total_s; runners_up_s is what the
+    # runners-up took beyond the communication checks, which a forked child made them beside (core.forked)
+    timings_s: dict[str, float]
     model_file: frontend.ModelFile | OnnxModel     # OnnxModel: a cost-only plan of an .onnx graph
     cluster: ClusterSpec
     pass_timings_s: dict[str, float] = field(default_factory=dict)   # per analysis pass, from its manager
@@ -203,19 +209,34 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
             cost=lambda on, cal: cost_tables(options, gm, blocks, on, cal, trace_batch))
         result, alternatives, calibration = priced.plan, priced.alternatives, priced.calibration
     verify_plan(result, spec)
-    if isinstance(model_file, frontend.ModelFile):   # an .onnx graph is cost-only: no program communicates
-        with timer.phase("comm_s"), frozen_heap():
-            check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
-            splits = trace_splits(result, model_file, gm, trace_batch)
-            result = dataclasses.replace(result, comm=verify_comm(result, traced_inputs(result, splits, gm)))
-            check_plan_stages(splits, model_file)      # each stage's forward and backward once, on meta
-        result = dataclasses.replace(result, warnings=training_notes(result, gm))
-    if options.runners_up:
-        with timer.phase("runners_up_s"), frozen_heap():
-            others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
+
+    searched = result
+
+    def ranked() -> SolverFacts:
+        """The searched plan's facts with its runners-up (every baseline, the first tries, each simulated):
+        they need the tables, not the communication checks, which change neither the plan's layout nor its
+        facts, so a forked child ranks them while this process checks (core.forked)."""
+        with frozen_heap():
             first = runners_up.first_tries(tables=tables, blocks=blocks, spec=spec, inputs=inputs,
                                            options=search_options) if options.strategy in ("ilp", "exact") else None
-            result = runners_up.with_runners_up(result, others, spec, first)
+            others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
+            return runners_up.with_runners_up(searched, others, spec, first).solver
+
+    with forked(ranked) if options.runners_up else nullcontext() as child:
+        if isinstance(model_file, frontend.ModelFile):  # an .onnx graph is cost-only: no program communicates
+            with timer.phase("comm_s"), frozen_heap():
+                check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
+                splits = trace_splits(result, model_file, gm, trace_batch)
+                streams, checked = traced_inputs(result, splits, gm), result
+                # the verifier (pure Python) in a child while each stage's forward and backward runs once
+                # on meta here (torch's work stays in this process: core.forked)
+                with forked(lambda: verify_comm(checked, streams)) as verifying:
+                    check_plan_stages(splits, model_file)
+                    result = dataclasses.replace(result, comm=verifying.result(CHILD_WAIT_S))
+            result = dataclasses.replace(result, warnings=training_notes(result, gm))
+        if child is not None:
+            with timer.phase("runners_up_s"):     # what the checks left to wait for
+                result = dataclasses.replace(result, solver=child.result(CHILD_WAIT_S))
     result = dataclasses.replace(result, warnings=result.warnings + cost_notes(result, spec, calibration))
     result = dataclasses.replace(result, checkpoint=checkpoint_advice(result, spec))
     timings = {**timer.timings_s, "total_s": time.perf_counter() - start}
