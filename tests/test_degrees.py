@@ -156,7 +156,8 @@ def _built(tabs: CostTables, z: int) -> tuple[CostTables, list]:
 
 def test_variants_are_taken_likeliest_winner_first():
     """Where the model fits a device whole the lowest degree is solved first (TP's collectives rarely pay),
-    where memory is short the highest degree, ZeRO first: the order the records keep."""
+    where memory is short the middle degree, then outwards (higher first), ZeRO first: the order the
+    records keep."""
     fits = syn.tables([syn.table("g", 1.0, blocks=4, devices=16, per_node=8, state_gib=[1.0] * 4,
                                  capacity_gib=40.0)], 16)
     short = _zero_wins()
@@ -165,5 +166,17 @@ def test_variants_are_taken_likeliest_winner_first():
         order = [(r["tp_degree"], r["zero_group"]) for r in degrees.search(syn_tp.with_shardings(
             tabs, syn_tp.random_shardings(random.Random(0), tabs)), ILP)[1]]
         assert len(order) > 1
-        expected = sorted(order, key=lambda tz: (-tz[0], -tz[1]) if expect_short else tz)
+        offered = sorted({t for t, _ in order})
+        mid = len(offered) // 2
+        place = {t: (abs(i - mid), -i) for i, t in enumerate(offered)}    # [1, 2, 4] -> 2, 4, 1
+        expected = sorted(order, key=lambda tz: (place[tz[0]], -tz[1]) if expect_short else tz)
         assert order == expected
+        if expect_short:
+            assert order[0][0] == offered[mid] and order[0][1] == max(z for _, z in order)
+
+
+def test_middle_out_starts_in_the_middle_and_goes_out_higher_side_first():
+    assert degrees.middle_out([1, 2, 4, 8]) == {4: 0, 8: 1, 2: 2, 1: 3}
+    assert degrees.middle_out([1, 2, 4]) == {2: 0, 4: 1, 1: 2}
+    assert degrees.middle_out([1, 2]) == {2: 0, 1: 1}
+    assert degrees.middle_out([1]) == {1: 0}

@@ -170,11 +170,15 @@ def search(tables: CostTables, options: SearchOptions,
              if by_time else 0.0, t, z, at) for t, z, at in variant_tables(tables, options)]
     # The variant likeliest to win first, so that the others meet its time as a bound or a cutoff (which
     # proves them no better in a fraction of their solve); the order changes no plan, only the time to it.
-    # Where memory is short the highest degree and ZeRO win (at 1024 GPUs the unsharded TP 8 is then proved
-    # no better in 0.45 s, not solved in 1.2 s); where the model fits a device whole, the lowest degree,
-    # without TP's collectives, does (GPT 1.5B on 32 and 64 mixed GPUs: TP 4 first took 4-6 s to solve)
+    # Where memory is short, ZeRO and a middle degree win: enough devices per stage to need few stages,
+    # not so many that every layer's all-reduce spans the node (Llama-2-70B: TP 4 at 1024 GPUs and on the
+    # 768-device fleet, where the highest first solved TP 8 unbounded in 1.4-2.1 s, then TP 4; the middle
+    # first proves TP 8 no better by its bound or a cutoff). Where the model fits a device whole, the
+    # lowest degree, without TP's collectives, does (GPT 1.5B on 32 and 64 mixed GPUs: TP 4 first took
+    # 4-6 s to solve)
     short = memory_short(tables)
-    todo.sort(key=lambda b_t_z: (-b_t_z[1], -b_t_z[2]) if short else (b_t_z[1], b_t_z[2]))
+    place = middle_out(sorted({t for _, t, _, _ in todo}))
+    todo.sort(key=lambda b_t_z: (place[b_t_z[1]], -b_t_z[2]) if short else (b_t_z[1], b_t_z[2]))
     found: list[tuple[Solution, Variant]] = []
     records: list[dict[str, float | int | str]] = []
     best_s = float("inf")
@@ -224,6 +228,14 @@ def search(tables: CostTables, options: SearchOptions,
         price = cost.cost_per_sample(v.tables, s) if options.objective == "cost" else 0.0
         return (round(price, 15), round(s.objective_s, 12), v.tp_degree, v.zero_group, s.one_node)
     return sorted(found, key=key), records
+
+
+def middle_out(degrees: list[int]) -> dict[int, int]:
+    """Each of the ascending `degrees`' place when the middle one (the upper of two) goes first, then the
+    others by their distance from it in the list, the higher of two as far first: [1, 2, 4, 8] -> 4, 8, 2, 1."""
+    mid = len(degrees) // 2
+    ordered = sorted(range(len(degrees)), key=lambda i: (abs(i - mid), -i))
+    return {degrees[i]: place for place, i in enumerate(ordered)}
 
 
 def _above(bound_s: float, best_s: float) -> bool:
