@@ -82,3 +82,23 @@ def test_in_flight_vectors_give_the_walks_peak(devices: int, chunks: int) -> Non
                 walked = max(walked, live)
             peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(v)) for v in vectors[d])
             assert peak == pytest.approx(walked, rel=1e-12, abs=1e-12)
+
+
+def test_one_pipeline_walked_on_floats_is_the_many_pipeline_walk_to_the_bit(monkeypatch):
+    """A few pipelines are walked one by one on Python floats, many together on numpy arrays: the same
+    sums and maxima, so the same makespans whichever way, for every program shape."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    for devices, chunks in ((2, 2), (3, 3), (4, 2), (8, 4)):
+        for count in interleave.counts(devices, 64):
+            if interleave.sched.interleaved_rounds(devices, count) is None:
+                continue
+            program = interleave._program(devices, chunks, count)
+            K = devices * chunks
+            f, b, x = rng.random((5, K)), rng.random((5, K)), rng.random((5, K - 1))
+            monkeypatch.setattr(interleave, "NUMPY_FROM_PIPELINES", 1)
+            together = interleave._run(program, devices, f, b, x)
+            monkeypatch.setattr(interleave, "NUMPY_FROM_PIPELINES", 100)
+            one_by_one = interleave._run(program, devices, f, b, x)
+            assert together.tolist() == one_by_one.tolist()

@@ -24,13 +24,13 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
 from planner.core import schedule as sched
 
 MAX_ROUNDS = 8
+NUMPY_FROM_PIPELINES = 8     # pipelines walked together at once from this many (`_run`)
 Key = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int, int]   # fwd, bwd, send, chunks, count
 _KEPT = 65536
 _MAKESPANS: dict[Key, float] = {}
@@ -57,72 +57,113 @@ def split_rows(num_devices: int, rows: int, micro_batch: int) -> tuple[int, ...]
     return tuple(base + 1 if i < extra else base for i in range(count))
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One action of the walk: device `device` runs stage `stage` (forward or backward) once its input
-    `wait` has arrived (-1: none), then hands its output to slot `out` (-1: none) over its link."""
-
-    device: int
-    backward: bool
-    stage: int
-    wait: int
-    out: int
+# One action of the walk, a plain tuple (cheapest to make and read, hundreds of thousands of them):
+# (device, backward, stage, wait, out): the device runs the stage (forward or backward) once its input
+# `wait` has arrived (-1: none), then hands its output to slot `out` (-1: none) over its link.
+_Step = tuple[int, bool, int, int, int]
 
 
 @functools.lru_cache(maxsize=1024)
 def _program(devices: int, chunks: int, micro_batches: int) -> tuple[_Step, ...]:
-    """The interleaved schedule's actions in an order the walk may run them (each after its inputs)."""
+    """The interleaved schedule's actions in an order the walk may run them (each after its inputs).
+
+    Each device runs its actions in the schedule's order until one waits on an input not yet sent; the
+    action that sends that input wakes it. Any such order gives the walk the same numbers: a device's
+    times depend only on its own actions, in its own order, and the arrivals they wait on."""
     K, M, D = devices * chunks, micro_batches, devices
-    actions = sched.interleaved(D, chunks, M)
 
     def slot(backward: bool, stage: int, micro: int) -> int:   # the input of (stage, micro) that way
         return (2 * stage + backward) * M + micro
 
-    ready: set[int] = set()
-    done_f: set[tuple[int, int]] = set()
+    todo = []      # per device: (step, forward (stage, micro) a backward waits on, or -1)
+    for d, acts in enumerate(sched.interleaved(D, chunks, M)):
+        mine = []
+        for a in acts:
+            k, j, back = a.stage, a.micro, a.kind == "B"
+            wait = slot(back, k, j) if (k < K - 1 if back else k > 0) else -1
+            nxt = k - 1 if back else k + 1
+            out = slot(back, nxt, j) if 0 <= nxt < K else -1
+            mine.append(((d, back, k, wait, out), k * M + j))
+        todo.append(mine)
+    sent = bytearray(2 * K * M)           # slot -> its input has been sent
+    forward_done = bytearray(K * M)       # (stage, micro) -> its forward ran
+    blocked: dict[int, int] = {}          # slot (or -1 - forward) -> the device waiting on it
     pos = [0] * D
+    runnable = list(range(D - 1, -1, -1))
     steps: list[_Step] = []
-    while len(steps) < 2 * K * M:
-        progressed = False
-        for d in range(D):
-            while pos[d] < len(actions[d]):
-                a = actions[d][pos[d]]
-                k, j, back = a.stage, a.micro, a.kind == "B"
-                wait = slot(back, k, j) if (k < K - 1 if back else k > 0) else -1
-                if (wait >= 0 and wait not in ready) or (back and (k, j) not in done_f):
-                    break
-                nxt = k - 1 if back else k + 1
-                out = slot(back, nxt, j) if 0 <= nxt < K else -1
-                if out >= 0:
-                    ready.add(out)
-                if not back:
-                    done_f.add((k, j))
-                steps.append(_Step(d, back, k, wait, out))
-                pos[d] += 1
-                progressed = True
-        if not progressed:
-            raise AssertionError(f"interleaved schedule of {D} devices x {chunks} chunks, {M} micro-batches stalls")
+    while runnable:
+        d = runnable.pop()
+        mine, p = todo[d], pos[d]
+        while p < len(mine):
+            step, forward = mine[p]
+            _, backward, _, wait, out = step
+            if wait >= 0 and not sent[wait]:
+                blocked[wait] = d
+                break
+            if backward and not forward_done[forward]:
+                blocked[-1 - forward] = d
+                break
+            if out >= 0:
+                sent[out] = 1
+                if out in blocked:
+                    runnable.append(blocked.pop(out))
+            if not backward:
+                forward_done[forward] = 1
+                if -1 - forward in blocked:
+                    runnable.append(blocked.pop(-1 - forward))
+            steps.append(step)
+            p += 1
+        pos[d] = p
+    if len(steps) < 2 * K * M:
+        raise AssertionError(f"interleaved schedule of {D} devices x {chunks} chunks, {M} micro-batches stalls")
     return tuple(steps)
 
 
 def _run(steps: tuple[_Step, ...], devices: int, fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray) -> np.ndarray:
-    """The walk on P pipelines at once: fwd, bwd (P, K), send (P, K - 1); the makespan of each (P,)."""
+    """The walk on P pipelines at once: fwd, bwd (P, K), send (P, K - 1); the makespan of each (P,).
+    Below NUMPY_FROM_PIPELINES pipelines each is walked on Python floats (`_run_one`: a numpy operation
+    on a few elements costs some ten float operations); the numbers are the same to the bit either way
+    (IEEE sums and maxima)."""
     P = fwd.shape[0]
+    if P < NUMPY_FROM_PIPELINES:
+        return np.array([_run_one(steps, devices, f.tolist(), b.tolist(), x.tolist())
+                         for f, b, x in zip(fwd, bwd, send)], dtype=float)
     free = np.zeros((devices, P))
     link_f = np.zeros((devices, P))
     link_b = np.zeros((devices, P))
     arrival: dict[int, np.ndarray] = {}
-    for st in steps:
-        d, k = st.device, st.stage
-        t = free[d] if st.wait < 0 else np.maximum(free[d], arrival.pop(st.wait))
-        t = t + (bwd[:, k] if st.backward else fwd[:, k])
+    for d, backward, k, wait, out in steps:
+        t = free[d] if wait < 0 else np.maximum(free[d], arrival.pop(wait))
+        t = t + (bwd[:, k] if backward else fwd[:, k])
         free[d] = t
-        if st.out >= 0:
-            link = link_b if st.backward else link_f
-            sent = np.maximum(t, link[d]) + send[:, k - 1 if st.backward else k]
+        if out >= 0:
+            link = link_b if backward else link_f
+            sent = np.maximum(t, link[d]) + send[:, k - 1 if backward else k]
             link[d] = sent
-            arrival[st.out] = sent
+            arrival[out] = sent
     return free.max(axis=0)
+
+
+def _run_one(steps: tuple[_Step, ...], devices: int, fwd: list[float], bwd: list[float],
+             send: list[float]) -> float:
+    """`_run` of one pipeline, on Python floats."""
+    free = [0.0] * devices
+    link_f = [0.0] * devices
+    link_b = [0.0] * devices
+    arrival: dict[int, float] = {}
+    for d, backward, k, wait, out in steps:
+        t = free[d] if wait < 0 else max(free[d], arrival.pop(wait))
+        t = t + (bwd[k] if backward else fwd[k])
+        free[d] = t
+        if out >= 0:
+            if backward:
+                sent = max(t, link_b[d]) + send[k - 1]
+                link_b[d] = sent
+            else:
+                sent = max(t, link_f[d]) + send[k]
+                link_f[d] = sent
+            arrival[out] = sent
+    return max(free)
 
 
 def makespan_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], chunks: int,
