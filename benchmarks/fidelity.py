@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import mean, median
 from typing import Any
@@ -114,6 +114,18 @@ class Result:
     pass_medians_s: list[float]     # median step time of each pass
     host_speed_ratios: list[float]  # per pass: reference work time around the run / in the profile
     strategy: str = "ilp"           # the planner on every device, or a baseline (FEWER_PROCESSES)
+    # where a step's time goes, per rank: the plan's compute seconds (estimates.busy_s, wall seconds of a
+    # process sharing the host as priced), and the measured compute's CPU and wall seconds (median over
+    # the timed steps of every pass; their ratio is the share of a core the rank really got)
+    predicted_busy_s: list[float] = field(default_factory=list)
+    measured_compute_cpu_s: list[float] = field(default_factory=list)
+    measured_compute_wall_s: list[float] = field(default_factory=list)
+
+    @property
+    def measured_sharing(self) -> float:
+        """Wall seconds per CPU second of the ranks' measured compute, over all of them (0: not measured)."""
+        cpu = sum(self.measured_compute_cpu_s)
+        return sum(self.measured_compute_wall_s) / cpu if cpu > 0 else 0.0
 
     @property
     def name(self) -> str:
@@ -210,6 +222,8 @@ class Run:
     other_cores: float
     attempts: int
     host_speed_ratio: float     # reference work time before and after the run / in the profile (mean)
+    compute_cpu_s: list[float] = field(default_factory=list)    # per rank, median over the timed steps
+    compute_wall_s: list[float] = field(default_factory=list)
 
     @property
     def disturbance(self) -> float:
@@ -241,8 +255,10 @@ def run_configuration(config: Configuration, steps: int, quiet_wait_s: float, re
             _cli("run", str(config.out), "--steps", str(steps), "--timeout", "60",
                  env={"OMP_NUM_THREADS": "1"})
         after = reference_work_s() / reference_s if reference_s else 1.0
-        timed, peak = _read_metrics(config.out / "run" / "metrics.jsonl", config.plan["world_size"])
-        runs.append(Run(timed, peak, load, other.cores or 0.0, 1, (before + after) / 2))
+        metrics = config.out / "run" / "metrics.jsonl"
+        timed, peak = _read_metrics(metrics, config.plan["world_size"])
+        cpu_s, wall_s = _read_compute(metrics, config.plan["world_size"])
+        runs.append(Run(timed, peak, load, other.cores or 0.0, 1, (before + after) / 2, cpu_s, wall_s))
         if runs[-1].disturbance <= 1.0:
             break
     return replace(min(runs, key=lambda r: r.disturbance), attempts=len(runs))
@@ -258,7 +274,9 @@ def result_of(config: Configuration) -> Result:
                   [max(r.peak_bytes[i] for r in runs) for i in range(plan["world_size"])],
                   max(r.load_average_1min for r in runs), max(r.other_cores for r in runs),
                   sum(r.attempts for r in runs), [median(r.timed_s) for r in runs],
-                  [r.host_speed_ratio for r in runs], config.strategy)
+                  [r.host_speed_ratio for r in runs], config.strategy, list(plan["estimates"]["busy_s"]),
+                  [median(r.compute_cpu_s[i] for r in runs) for i in range(plan["world_size"])],
+                  [median(r.compute_wall_s[i] for r in runs) for i in range(plan["world_size"])])
 
 
 def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
@@ -269,6 +287,31 @@ def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
         per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
         peak[m["rank"]] = max(peak[m["rank"]], float(m["peak_memory_bytes"]))
     return [t for step, t in sorted(per_step.items()) if step >= WARMUP_STEPS], peak
+
+
+def _read_compute(path: Path, world: int) -> tuple[list[float], list[float]]:
+    """Each rank's compute per step after warm-up, median over the steps: CPU seconds (padding of an emulated
+    slow device included) and the wall seconds the same compute took."""
+    cpu: list[list[float]] = [[] for _ in range(world)]
+    wall: list[list[float]] = [[] for _ in range(world)]
+    for m in read_metrics(path):
+        if m["step"] >= WARMUP_STEPS:
+            cpu[m["rank"]].append(float(m["compute_s"]))
+            wall[m["rank"]].append(float(m["compute_wall_s"]))
+    return [median(c) if c else 0.0 for c in cpu], [median(w) if w else 0.0 for w in wall]
+
+
+def compute_table(results: list[Result]) -> str:
+    """Per configuration and rank: the plan's compute seconds against the measured compute's wall and CPU
+    seconds, and the share of a core the ranks got (wall per CPU second): whether a step-time miss is the
+    ops' cost or how the host's cores were shared."""
+    head = f"{'configuration':26s} {'compute ms per rank: planned / measured wall / measured CPU':62s} {'wall/CPU':>8s}"
+    rows = [head, "-" * len(head)]
+    for r in results:
+        cells = " ".join(f"{p * 1e3:.0f}/{w * 1e3:.0f}/{c * 1e3:.0f}" for p, w, c in zip(
+            r.predicted_busy_s, r.measured_compute_wall_s, r.measured_compute_cpu_s, strict=True))
+        rows.append(f"{r.name:26s} {cells:62s} {r.measured_sharing:8.2f}")
+    return "\n".join(rows)
 
 
 def ranking(results: list[Result]) -> list[dict[str, object]]:
@@ -396,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {**summarise(results, checks), "passes": args.passes,
                "pass_spread_median": median(spreads), "pass_spread_max": max(spreads)}
     print("\n" + table(results))
+    print("\n" + compute_table(results) + "\n")
     for c in checks:
         print(f"ranking {c['model']}/{c['cluster']}: predicted fastest {c['predicted_fastest']}, measured fastest "
               f"{c['measured_fastest']} ({c['slower_than_fastest']:+.1%}) {'ok' if c['ok'] else 'MISS'}")
@@ -417,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": WARMUP_STEPS, "summary": summary,
         "ranking": checks,
         "configurations": [{**asdict(r), "name": r.name, "step_time_error": r.time_error,
+                            "measured_sharing": r.measured_sharing,
                             "memory_errors": r.memory_errors, "pass_spread": r.pass_spread} for r in results]},
         indent=1) + "\n")
     print(f"wrote {args.out}")
