@@ -222,7 +222,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
             others = alternatives + _baselines(options, controls, tables, blocks, spec, inputs)
             return runners_up.with_runners_up(searched, others, spec, first).solver
 
-    with forked(ranked) if options.runners_up else nullcontext() as child:
+    with forked(ranked, controls.fork_steps) if options.runners_up else nullcontext() as child:
         if isinstance(model_file, frontend.ModelFile):  # an .onnx graph is cost-only: no program communicates
             with timer.phase("comm_s"), frozen_heap():
                 check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
@@ -230,7 +230,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
                 streams, checked = traced_inputs(result, splits, gm), result
                 # the verifier (pure Python) in a child while each stage's forward and backward runs once
                 # on meta here (torch's work stays in this process: core.forked)
-                with forked(lambda: verify_comm(checked, streams)) as verifying:
+                with forked(lambda: verify_comm(checked, streams), controls.fork_steps) as verifying:
                     check_plan_stages(splits, model_file)
                     result = dataclasses.replace(result, comm=verifying.result(CHILD_WAIT_S))
             result = dataclasses.replace(result, warnings=training_notes(result, gm))

@@ -75,6 +75,9 @@ class RunControls:
     trace_timeout_s: float | None = DEFAULT_TRACE_TIMEOUT_S
     # hears each phase's name as it starts (load, trace, cost, search, comm, runners-up): the CLI's progress line
     progress: Callable[[str], None] | None = None
+    # the runners-up and the communication verifier in forked children beside the stage checks (Linux, two
+    # cores; planner.core.forked); False keeps every step in this process (a caller that must not fork)
+    fork_steps: bool = True
 
     def __post_init__(self) -> None:
         timeout = self.trace_timeout_s

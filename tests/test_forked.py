@@ -113,17 +113,32 @@ def test_a_child_stuck_past_the_wait_is_killed_and_the_step_runs_here():
     assert time.monotonic() - start < 10 and pid is not None and _gone(pid)
 
 
+def test_a_caller_that_must_not_fork_keeps_the_step_here():
+    with forked(os.getpid, enabled=False) as child:
+        assert child._pid is None and child.result() == os.getpid()
+
+
 @needs_fork
 def test_a_plan_is_the_same_whether_its_runners_up_and_verifier_ran_forked_or_here(monkeypatch):
-    from planner.api import PlanOptions, plan
+    from planner.api import PlanOptions, RunControls, plan
     from tests.helpers import CLUSTERS, EXAMPLES
 
-    def made() -> object:
-        return plan(EXAMPLES / "gpt" / "model.py", CLUSTERS / "cpu-hetero-4.yaml",
-                    PlanOptions(global_batch=32, stages=2)).plan
+    forks: list[bool] = []
+    real_fork = forked_module.os.fork
 
-    forked_plan = made()
-    monkeypatch.setattr(forked_module, "can_fork", lambda: False)
-    here = made()
+    def counted_fork() -> int:
+        forks.append(True)
+        return real_fork()
+
+    monkeypatch.setattr(forked_module.os, "fork", counted_fork)
+
+    def made(controls: RunControls) -> object:
+        return plan(EXAMPLES / "gpt" / "model.py", CLUSTERS / "cpu-hetero-4.yaml",
+                    PlanOptions(global_batch=32, stages=2), controls).plan
+
+    forked_plan = made(RunControls())
+    assert len(forks) == 2                      # the runners-up and the verifier
+    here = made(RunControls(fork_steps=False))
+    assert len(forks) == 2                      # none more
     assert forked_plan == here
     assert here.solver.runners_up and here.comm is not None and here.comm.digests    # both steps ran

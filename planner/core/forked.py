@@ -93,9 +93,10 @@ def can_fork() -> bool:
 
 
 @contextmanager
-def forked(fn: Callable[[], T]) -> Iterator[Child[T]]:
-    """`fn` started in a forked child (in this process, on `result()`, where `can_fork` is false)."""
-    if not can_fork():
+def forked(fn: Callable[[], T], enabled: bool = True) -> Iterator[Child[T]]:
+    """`fn` started in a forked child (in this process, on `result()`, where `can_fork` is false or the
+    caller asks for no fork)."""
+    if not (enabled and can_fork()):
         yield Child(fn, None, None)
         return
     read_fd, write_fd = os.pipe()
