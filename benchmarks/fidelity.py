@@ -255,9 +255,7 @@ def run_configuration(config: Configuration, steps: int, quiet_wait_s: float, re
             _cli("run", str(config.out), "--steps", str(steps), "--timeout", "60",
                  env={"OMP_NUM_THREADS": "1"})
         after = reference_work_s() / reference_s if reference_s else 1.0
-        metrics = config.out / "run" / "metrics.jsonl"
-        timed, peak = _read_metrics(metrics, config.plan["world_size"])
-        cpu_s, wall_s = _read_compute(metrics, config.plan["world_size"])
+        timed, peak, cpu_s, wall_s = _read_metrics(config.out / "run" / "metrics.jsonl", config.plan["world_size"])
         runs.append(Run(timed, peak, load, other.cores or 0.0, 1, (before + after) / 2, cpu_s, wall_s))
         if runs[-1].disturbance <= 1.0:
             break
@@ -279,26 +277,22 @@ def result_of(config: Configuration) -> Result:
                   [median(r.compute_wall_s[i] for r in runs) for i in range(plan["world_size"])])
 
 
-def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float]]:
-    """Step times after warm-up (per step, the slowest rank's) and each rank's peak memory."""
+def _read_metrics(path: Path, world: int) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Step times after warm-up (per step, the slowest rank's), each rank's peak memory, and each rank's
+    compute per step after warm-up, median over the steps: CPU seconds (padding of an emulated slow device
+    included) and the wall seconds the same compute took."""
     per_step: dict[int, float] = {}
     peak = [0.0] * world
-    for m in read_metrics(path):
-        per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
-        peak[m["rank"]] = max(peak[m["rank"]], float(m["peak_memory_bytes"]))
-    return [t for step, t in sorted(per_step.items()) if step >= WARMUP_STEPS], peak
-
-
-def _read_compute(path: Path, world: int) -> tuple[list[float], list[float]]:
-    """Each rank's compute per step after warm-up, median over the steps: CPU seconds (padding of an emulated
-    slow device included) and the wall seconds the same compute took."""
     cpu: list[list[float]] = [[] for _ in range(world)]
     wall: list[list[float]] = [[] for _ in range(world)]
     for m in read_metrics(path):
+        per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
+        peak[m["rank"]] = max(peak[m["rank"]], float(m["peak_memory_bytes"]))
         if m["step"] >= WARMUP_STEPS:
             cpu[m["rank"]].append(float(m["compute_s"]))
             wall[m["rank"]].append(float(m["compute_wall_s"]))
-    return [median(c) if c else 0.0 for c in cpu], [median(w) if w else 0.0 for w in wall]
+    return ([t for step, t in sorted(per_step.items()) if step >= WARMUP_STEPS], peak,
+            [median(c) if c else 0.0 for c in cpu], [median(w) if w else 0.0 for w in wall])
 
 
 def compute_table(results: list[Result]) -> str:

@@ -75,7 +75,7 @@ def _program(devices: int, chunks: int, micro_batches: int) -> tuple[_Step, ...]
     def slot(backward: bool, stage: int, micro: int) -> int:   # the input of (stage, micro) that way
         return (2 * stage + backward) * M + micro
 
-    todo = []      # per device: (step, forward (stage, micro) a backward waits on, or -1)
+    todo = []      # per device: (step, index of its (stage, micro): a backward waits on that forward)
     for d, acts in enumerate(sched.interleaved(D, chunks, M)):
         mine = []
         for a in acts:
