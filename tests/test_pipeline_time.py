@@ -21,8 +21,9 @@ def simulated_s(fwd: list[float], bwd: list[float], send: list[float], micro_bat
     return simulate(SimInput(S, M, (ReplicaWork(0, schedule, stages),), ())).pipeline_s
 
 
-def random_pipeline(rng: random.Random, max_stages: int) -> tuple[list[float], list[float], list[float]]:
-    S = rng.randint(1, max_stages)
+def random_pipeline(rng: random.Random, max_stages: int,
+                    exact_stages: bool = False) -> tuple[list[float], list[float], list[float]]:
+    S = max_stages if exact_stages else rng.randint(1, max_stages)
     fwd = [rng.choice([0.5, 1.0, 3.0]) * rng.uniform(0.5, 2.0) for _ in range(S)]
     bwd = [2 * f * rng.uniform(0.5, 1.5) for f in fwd]
     send = [rng.choice([0.0, 0.05, 1.0, 4.0]) * rng.random() for _ in range(S - 1)]
@@ -134,6 +135,30 @@ def test_the_walk_of_short_warm_ups_is_the_simulated_schedule() -> None:
         f, b, x = np.array(fwd), np.array(bwd), np.append(np.array(send), 0.0)
         for M in range(1, S - 1):
             assert pipeline.walk_s(f, b, x, M) == pytest.approx(simulated_s(fwd, bwd, send, M), rel=1e-12), (S, M)
+
+
+def test_walks_of_one_depth_made_together_equal_each_walk_to_the_bit() -> None:
+    """`walks_s` walks pipelines of one depth together (one order for all: which input is ready never
+    depends on the times); each row must be `walk_s` of that pipeline alone, bit for bit, and so must
+    the tables `prime` makes with them (it walks together from WALKS_TOGETHER_FROM pipelines)."""
+    rng = random.Random(5)
+    for S in (2, 3, 7, 16, 23):
+        pipes = [tuple(map(tuple, random_pipeline(rng, S, exact_stages=True)))
+                 for _ in range(pipeline.WALKS_TOGETHER_FROM + 3)]
+        f = np.array([p[0] for p in pipes])
+        b = np.array([p[1] for p in pipes])
+        x = np.array([(*p[2], 0.0) for p in pipes])
+        for M in range(1, S + 2):
+            together = pipeline.walks_s(f, b, x, M)
+            for row in range(len(pipes)):
+                assert together[row] == pipeline.walk_s(f[row], b[row], x[row], M), (S, M, row)
+    deep = [tuple(map(tuple, random_pipeline(random.Random(seed), 12, exact_stages=True))) for seed in range(12)]
+    most = pipeline.DEFAULT_MAX_MICRO
+    alone = {p: pipeline.makespans_s(*p, most) for p in deep}
+    pipeline._TABLES.clear()
+    pipeline.prime(deep, most)
+    for p, table in alone.items():
+        assert np.array_equal(pipeline._TABLES[(*p, most, "1f1b")], table)
 
 
 def test_tables_made_together_equal_those_made_one_by_one_to_the_bit() -> None:

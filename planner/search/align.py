@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from costmodel import memory
 from costmodel.tables import CostTables
-from planner.search.pipeline import pipeline_at_s
+from planner.search.pipeline import pipeline_one_s
 from planner.search.split import Lane, Split, equal_bounds, solve_shared_bounds, solve_split, stage_costs
 from planner.search.topology import cuts
 
@@ -107,7 +107,7 @@ def split_rate(tables: CostTables, split: Split, micro_batch: int) -> float:
     """Samples per second of one replica running the batch in `micro_batch`-sample micro-batches
     (at least S and at most RATE_MAX_MICRO of them) under 1F1B."""
     micro_batches = min(RATE_MAX_MICRO, max(split.num_stages, -(-tables.global_batch // micro_batch)))
-    return micro_batches * micro_batch / pipeline_at_s(split.fwd_s, split.bwd_s, split.send_s, micro_batches)
+    return micro_batches * micro_batch / pipeline_one_s(split.fwd_s, split.bwd_s, split.send_s, micro_batches)
 
 
 def _shared_at(tables: CostTables, classes: list[int], num_stages: int, micro_batch: int,

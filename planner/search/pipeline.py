@@ -44,6 +44,7 @@ WALK_MAX_STAGES = 16
 DEFAULT_MAX_MICRO = 256
 TABLES_KEPT = 8192
 PRIMED_CELLS = 4096        # pipelines x stages per batch of `prime`: ~4 MB of rounds per 128 counts
+WALKS_TOGETHER_FROM = 8    # pipelines of one depth whose short warm-ups `prime` walks together (`walks_s`)
 Key = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int, str]   # fwd, bwd, send, counts, schedule
 _TABLES: dict[Key, np.ndarray] = {}
 _TABLES_LOCK = threading.Lock()
@@ -105,10 +106,11 @@ def _cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, .
 
 def prime(pipelines: Iterable[tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]],
           most: int = DEFAULT_MAX_MICRO) -> None:
-    """Make the 1F1B tables pipeline_s reads for counts up to `most`, for many pipelines
-    at once: the lattices of pipelines of one depth run together (`_lattices`), in chunks of
-    PRIMED_CELLS stage-cells. The tables equal those pipeline_s would make one by one, to the bit; the
-    ILP's items at 1024 GPUs ask for some 600 of them, 1.1 s one by one."""
+    """Make the 1F1B tables pipeline_s reads for counts up to `most`, for many pipelines at once: the
+    lattices of pipelines of one depth run together (`_lattices`), in chunks of PRIMED_CELLS
+    stage-cells, and so do their short warm-ups' walks (`walks_s`). The tables equal those pipeline_s
+    would make one by one, to the bit; the ILP's items at 1024 GPUs ask for some 600 of them, 1.1 s one
+    by one."""
     max_micro = _limit(most)
     todo: dict[int, dict[Key, None]] = {}
     for fwd, bwd, send in pipelines:
@@ -120,10 +122,15 @@ def prime(pipelines: Iterable[tuple[tuple[float, ...], tuple[float, ...], tuple[
         chunk = max(1, PRIMED_CELLS // S)
         for i in range(0, len(keys), chunk):
             part = keys[i:i + chunk]
-            rows = _lattices(np.array([k[0] for k in part], dtype=float), np.array([k[1] for k in part], dtype=float),
-                             np.array([(*k[2], 0.0) for k in part], dtype=float), max_micro)
-            for key, row in zip(part, rows):
-                _keep(key, makespans_s(key[0], key[1], key[2], max_micro, lattice=row))
+            f = np.array([k[0] for k in part], dtype=float)
+            b = np.array([k[1] for k in part], dtype=float)
+            x = np.array([(*k[2], 0.0) for k in part], dtype=float)
+            rows = _lattices(f, b, x, max_micro)
+            walked = {M: walks_s(f, b, x, M) for M in range(1, S - 1) if _walked(S, M, max_micro)} \
+                if len(part) >= WALKS_TOGETHER_FROM else {}
+            for n, (key, row) in enumerate(zip(part, rows)):
+                walks = {M: float(column[n]) for M, column in walked.items()}
+                _keep(key, makespans_s(key[0], key[1], key[2], max_micro, lattice=row, walks=walks))
 
 
 def _keep(key: Key, table: np.ndarray) -> None:
@@ -157,10 +164,12 @@ def closed_form_s(fwd: np.ndarray, bwd: np.ndarray, send: np.ndarray, micro_batc
 
 
 def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
-                max_micro: int, lattice: np.ndarray | None = None) -> np.ndarray:
+                max_micro: int, lattice: np.ndarray | None = None,
+                walks: dict[int, float] | None = None) -> np.ndarray:
     """out[M] = seconds from the first forward to the last backward with M micro-batches, M = 1 ..
     max_micro (out[0] = 0). `send[s]` is one transfer between stages s and s+1 (S - 1 of them).
-    `lattice`: this pipeline's `_lattice` at max_micro where already made (`prime`)."""
+    `lattice` and `walks` (walk_s by count): this pipeline's `_lattice` at max_micro and its walks,
+    where already made (`prime`)."""
     f, b, x = _arrays(fwd, bwd, send)
     S = len(f)
     out = np.zeros(max_micro + 1)
@@ -170,10 +179,9 @@ def makespans_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[floa
     if max_micro >= S - 1:
         out[S - 1:] = _lattice(f, b, x, max_micro) if lattice is None else lattice
     short = range(1, min(S - 1, max_micro + 1))
-    walked = [M for M in short if S <= WALK_MAX_STAGES or M & (M - 1) == 0 or
-              (M == short[-1] and max_micro < S - 1)]
+    walked = [M for M in short if _walked(S, M, max_micro)]
     for M in walked:
-        out[M] = walk_s(f, b, x, M)
+        out[M] = walks[M] if walks is not None and M in walks else walk_s(f, b, x, M)
     anchors = walked + ([S - 1] if max_micro >= S - 1 else [])
     for lo, hi in zip(anchors, anchors[1:]):
         for M in range(lo + 1, hi):
@@ -210,49 +218,82 @@ def _one_cached(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[floa
 
 def walk_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, M: int) -> float:
     """The 1F1B schedule (planner.core.schedule.one_f_one_b) walked action by action, as backends/sim
-    does. Actions are ints (micro-batch j: forward j, backward -1 - j) and each stage runs until it waits
-    on an input, in the same order and with the same arithmetic as the simulator's walk."""
-    S = len(f)
+    does: each action starts once its stage is free and its input has arrived, in an order where every
+    input is sent before it is read (`_walk_order`), with the simulator's arithmetic."""
     fl, bl, xl = f.tolist(), b.tolist(), x.tolist()
+    S = len(fl)
+    free = [0.0] * S
+    link = [0.0] * (2 * S)                    # per stage: its link down (forwards), then up (gradients)
+    arrival = [0.0] * (2 * S * M)             # per (stage, direction, micro-batch): its input's arrival
+    for s, forward, read, sent in _walk_order(S, M):
+        t = max(free[s], arrival[read]) if read >= 0 else free[s]
+        t += fl[s] if forward else bl[s]
+        free[s] = t
+        if sent >= 0:
+            k = s if forward else S + s
+            arrival[sent] = link[k] = max(t, link[k]) + (xl[s] if forward else xl[s - 1])
+    return max(free)
+
+
+def walks_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, M: int) -> np.ndarray:
+    """`walk_s` of P pipelines of one depth at once: f, b, x of shape (P, S) (x with its last column 0),
+    out (P,). The walk's order does not depend on the times (`_walk_order`), so each action is one
+    elementwise step along P, each row the number `walk_s` gives that pipeline alone, to the bit."""
+    P, S = f.shape
+    fc, bc = list(f.T), list(b.T)
+    xd, xu = list(x.T), [np.zeros(P)] + list(x.T[:-1])   # a stage's link down sends x[s], up x[s - 1]
+    free = [np.zeros(P)] * S
+    link = [np.zeros(P)] * (2 * S)
+    arrival: dict[int, np.ndarray] = {}
+    for s, forward, read, sent in _walk_order(S, M):
+        t = np.maximum(free[s], arrival.pop(read)) if read >= 0 else free[s]
+        t = t + (fc[s] if forward else bc[s])
+        free[s] = t
+        if sent >= 0:
+            k = s if forward else S + s
+            arrival[sent] = link[k] = np.maximum(t, link[k]) + (xd[s] if forward else xu[s])
+    return np.max(np.stack(free), axis=0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk_order(S: int, M: int) -> tuple[tuple[int, bool, int, int], ...]:
+    """The actions of S stages under 1F1B with M micro-batches, each after the action that sends its
+    input: (stage, forward, the input slot it reads or -1, the slot it sends to or -1). Stages run their
+    own actions in order (`_one_f_one_b_order`) until one waits on an input not yet sent; forwards flow
+    down and gradients up, so sweeping the stages both ways in turn finds the order in few sweeps. Which
+    input is ready depends only on the order, never on the times, so one order serves every pipeline of
+    that shape (and any such order gives the same times: a stage's times depend only on its own actions,
+    in its own order, and the arrivals they wait on)."""
+    def slot(s: int, forward: bool, j: int) -> int:
+        return (2 * s + (0 if forward else 1)) * M + j
+
     actions = [_one_f_one_b_order(S, s, M) for s in range(S)]
-    pos, free = [0] * S, [0.0] * S
-    f_in = [[-1.0] * M for _ in range(S)]     # arrival of micro-batch j's input (-1: not yet)
-    b_in = [[-1.0] * M for _ in range(S)]
-    link_f, link_b = [0.0] * S, [0.0] * S
-    remaining = 2 * S * M
+    pos = [0] * S
+    sent: set[int] = set()
+    order: list[tuple[int, bool, int, int]] = []
+    remaining, sweep = 2 * S * M, 0
     down, up = range(S), range(S - 1, -1, -1)
-    sweep = 0
     while remaining:
-        # forwards flow down the stages and gradients up: sweeping both ways in turn needs fewer sweeps
-        # (any order gives the same times: each value waits only on its own inputs)
         sweep += 1
         for s in (down if sweep % 2 else up):
-            acts, p, t = actions[s], pos[s], free[s]
-            n = len(acts)
-            fs, bs = fl[s], bl[s]
-            while p < n:
+            acts, p = actions[s], pos[s]
+            while p < len(acts):
                 a = acts[p]
-                if a >= 0:
-                    ready = 0.0 if s == 0 else f_in[s][a]
-                    if ready < 0:
-                        break
-                    t = max(t, ready) + fs
-                    if s + 1 < S:
-                        link_f[s] = max(t, link_f[s]) + xl[s]
-                        f_in[s + 1][a] = link_f[s]
-                else:
-                    j = -1 - a
-                    ready = 0.0 if s == S - 1 else b_in[s][j]
-                    if ready < 0:
-                        break
-                    t = max(t, ready) + bs
-                    if s > 0:
-                        link_b[s] = max(t, link_b[s]) + xl[s - 1]
-                        b_in[s - 1][j] = link_b[s]
+                forward = a >= 0
+                j = a if forward else -1 - a
+                first = s == 0 if forward else s == S - 1
+                read = -1 if first else slot(s, forward, j)
+                if read >= 0 and read not in sent:
+                    break
+                last = s == S - 1 if forward else s == 0
+                out = -1 if last else slot(s + 1 if forward else s - 1, forward, j)
+                if out >= 0:
+                    sent.add(out)
+                order.append((s, forward, read, out))
                 p += 1
             remaining -= p - pos[s]
-            pos[s], free[s] = p, t
-    return max(free)
+            pos[s] = p
+    return tuple(order)
 
 
 def _one_f_one_b_order(S: int, s: int, M: int) -> list[int]:
