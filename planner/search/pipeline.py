@@ -255,7 +255,7 @@ def walks_s(f: np.ndarray, b: np.ndarray, x: np.ndarray, M: int) -> np.ndarray:
     return np.max(np.stack(free), axis=0)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)     # about a hundred (stages, counts) in a search; each 2 x S x M steps
 def _walk_order(S: int, M: int) -> tuple[tuple[int, bool, int, int], ...]:
     """The actions of S stages under 1F1B with M micro-batches, each after the action that sends its
     input: (stage, forward, the input slot it reads or -1, the slot it sends to or -1). Stages run their
