@@ -50,7 +50,7 @@ def test_deep_pipelines_are_exact_where_walked_and_bounded_elsewhere() -> None:
     got = pipeline.makespans_s(tuple(fwd), tuple(bwd), tuple(send), S + 3)
     for M in (1, 2, 8, 16, S - 1, S, S + 3):                    # walked, and the lattice
         assert got[M] == pytest.approx(simulated_s(fwd, bwd, send, M), rel=1e-12)
-        assert pipeline.pipeline_at_s(tuple(fwd), tuple(bwd), tuple(send), M) == pytest.approx(got[M], rel=1e-12)
+        assert pipeline.pipeline_one_s(tuple(fwd), tuple(bwd), tuple(send), M) == pytest.approx(got[M], rel=1e-12)
     for M in (9, 13, 17, S - 2):                                 # interpolated: close, never above the closed form
         closed = pipeline.closed_form_s(np.array(fwd), np.array(bwd), np.array(send), M)
         assert got[M] <= closed + 1e-9

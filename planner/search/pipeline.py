@@ -75,17 +75,6 @@ def _limit(micro_batches: int) -> int:
     return limit
 
 
-def pipeline_at_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
-                  micro_batches: int) -> float:
-    """The makespan with `micro_batches` micro-batches alone (exact at any depth; not cached)."""
-    f, b, x = _arrays(fwd, bwd, send)
-    if len(f) == 1:
-        return micro_batches * float(f[0] + b[0])
-    if micro_batches < len(f) - 1:
-        return walk_s(f, b, x, micro_batches)
-    return float(_lattice(f, b, x, micro_batches)[-1])
-
-
 def _arrays(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...],
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """f, b and x with x[S-1] = 0 (the last stage sends nothing on), as the walks index them."""
