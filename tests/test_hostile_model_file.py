@@ -4,7 +4,6 @@ Ctrl-C ends `plan` with exit 130."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -89,7 +88,10 @@ def test_the_timeout_is_not_a_limit_on_code_that_returns(tmp_path: Path) -> None
 
 
 def _send_sigint_after(delay_s: float) -> threading.Timer:
-    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGINT))
+    """Ctrl-C after `delay_s`, to this process's main thread: a terminal's SIGINT goes to the process, and
+    the kernel may hand a process-wide signal to any of its threads, where it interrupts no sleep and no
+    wait of the main thread (a 30 s model-file import then ran to its end under a loaded test worker)."""
+    timer = threading.Timer(delay_s, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     return timer
 
