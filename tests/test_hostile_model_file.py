@@ -5,6 +5,7 @@ Ctrl-C ends `plan` with exit 130."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -115,6 +116,33 @@ def test_one_ctrl_c_during_the_search_ends_plan(capfd, tmp_path: Path, monkeypat
     assert timers, "the search never solved a model"
     assert (code, err.strip()) == (130, "plan: interrupted"), (code, err, out[-500:])
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_a_ctrl_c_the_interpreter_could_only_ignore_still_ends_plan(capfd, tmp_path: Path, monkeypatch) -> None:
+    """Python runs a signal's handler at the main thread's next bytecode; inside a finaliser (a `__del__`, a
+    dropped generator's close) its KeyboardInterrupt is printed as ignored and the code goes on: planning
+    then went on and exited 0. Here the signal is handled inside a finaliser while the costs are made."""
+    import planner.api as api
+
+    real_cost_tables = api.cost_tables
+
+    class Finaliser:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGINT)        # handled here, in the finaliser
+
+    def finalised_then_costed(*args, **kwargs):
+        Finaliser()                                   # dropped at once: its __del__ runs now
+        return real_cost_tables(*args, **kwargs)
+
+    dropped: list[type[BaseException] | None] = []
+    monkeypatch.setattr(api, "cost_tables", finalised_then_costed)
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
+    code, out, err = run_cli(capfd, [EXAMPLES / "gpt" / "model.py", "--cluster", CLUSTERS / "seed-mixed-32.yaml",
+                                     "-o", tmp_path / "out"])
+    assert dropped == [KeyboardInterrupt]          # the interpreter dropped it: "Exception ignored in ..."
+    assert (code, err.strip()) == (130, "plan: interrupted"), (code, err[-500:], out[-500:])
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_ctrl_c_while_the_model_file_runs_is_the_users_interrupt(capfd, tmp_path: Path) -> None:

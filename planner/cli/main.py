@@ -17,14 +17,17 @@ options, plan directory), 3 no feasible plan, 4 internal pass failure, 5 a layou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Callable
 
+from planner.core import interrupts
 from planner.core.errors import HetplanError
 
 SUBCOMMANDS = ("inspect", "diff", "run", "profile", "export", "replan", "estimate")
+PLANNING = ("plan", "replan", "estimate")     # the commands that plan, then write a plan directory
 INTERRUPTED_EXIT_CODE = 130   # 128 + SIGINT, as a shell reports a process Ctrl-C ended
 BROKEN_PIPE_EXIT_CODE = 141   # 128 + SIGPIPE, as for any command whose reader went away
 
@@ -65,10 +68,11 @@ def _command(name: str) -> Callable[[list[str]], int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    name = argv[0] if argv and argv[0] in SUBCOMMANDS else "plan"
     try:
-        if argv and argv[0] in SUBCOMMANDS:
-            return _command(argv[0])(argv[1:])
-        return _command("plan")(argv)
+        # the commands that plan: a Ctrl-C is remembered, wherever its KeyboardInterrupt went (core.interrupts)
+        with interrupts.kept() if name in PLANNING else contextlib.nullcontext():
+            return _command(name)(argv[1:] if name != "plan" else argv)
     except HetplanError as exc:
         print(f"plan: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from planner.cli.args import OneLineParser, positive_number
 from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
-from planner.core import schedule
+from planner.core import interrupts, schedule
 from planner.core.errors import HetplanError, printable
 from planner.core.ir import Plan, ProgramDefaults
 
@@ -157,6 +157,7 @@ def write_plan_dir(out: Path, planned: Plan, result: PlanResult, model: Path | N
         if model is not None:
             emit_program(planned, model, tmp / "program")
 
+    interrupts.check()      # a Ctrl-C whose exception the interpreter dropped ends the command here, before writing
     write_atomically(out, fill, inputs=inputs, force=force)
     return summary(planned, warnings=False) + tail
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from planner.core import interrupts
 from planner.core.errors import Interrupted, ModelFileError
 
 RETRY_ALARM_S = 1.0   # should the code swallow the alarm's exception, it comes again this much later
@@ -44,6 +45,7 @@ def user_code(file: str, what: str, time_limit_s: float | None, *, field: str | 
         raise _TimeUp
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
+        interrupts.note()
         raise Interrupted
 
     previous_sigint = signal.getsignal(signal.SIGINT) if in_main else None
