@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-import networkx as nx
-
 from passes.comm.events import COLLECTIVE, KINDS, RECV, SEND, WAIT, CommEvent
 from planner.core.errors import PassError
 
@@ -261,7 +259,10 @@ def _names(ranks: Sequence[int]) -> str:
 
 def _find_cycle(edges: dict[int, list[int]]) -> list[int]:
     """A cycle of the wait-for graph (ranks in order, from the first rank on it that the search from the
-    lowest rank meets again), or []."""
+    lowest rank meets again), or []. Only a stalled check asks: networkx is imported here, not by every rank
+    of the program that checks its streams at start (0.2 s of each rank's start-up)."""
+    import networkx as nx
+
     graph = nx.DiGraph()
     graph.add_nodes_from(sorted(edges))
     graph.add_edges_from((r, q) for r in sorted(edges) for q in edges[r])
