@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.core import interrupts
 from planner.core.errors import ModelFileError
 from planner.frontend import load_model_file, trace_model
 from tests.helpers import CLUSTERS, EXAMPLES
@@ -143,6 +144,7 @@ def test_a_ctrl_c_the_interpreter_could_only_ignore_still_ends_plan(capfd, tmp_p
     assert (code, err.strip()) == (130, "plan: interrupted"), (code, err[-500:], out[-500:])
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    interrupts.check()                              # forgotten with the command: a later write is not refused
 
 
 def test_ctrl_c_while_the_model_file_runs_is_the_users_interrupt(capfd, tmp_path: Path) -> None:

@@ -68,11 +68,11 @@ def _command(name: str) -> Callable[[list[str]], int]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = argv[0] if argv and argv[0] in SUBCOMMANDS else "plan"
+    name, rest = (argv[0], argv[1:]) if argv and argv[0] in SUBCOMMANDS else ("plan", argv)
     try:
         # the commands that plan: a Ctrl-C is remembered, wherever its KeyboardInterrupt went (core.interrupts)
         with interrupts.kept() if name in PLANNING else contextlib.nullcontext():
-            return _command(name)(argv[1:] if name != "plan" else argv)
+            return _command(name)(rest)
     except HetplanError as exc:
         print(f"plan: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code

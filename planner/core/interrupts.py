@@ -31,7 +31,7 @@ def note() -> None:
 
 
 def check() -> None:
-    """Raise KeyboardInterrupt if a Ctrl-C came since `kept()` began, wherever its exception went."""
+    """Raise KeyboardInterrupt if a Ctrl-C came inside `kept()`, wherever its exception went."""
     if _pending:
         raise KeyboardInterrupt
 
@@ -43,15 +43,17 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def kept() -> Iterator[None]:
-    """SIGINT remembered while the body runs (see the module docstring)."""
+    """SIGINT remembered while the body runs (see the module docstring); what was remembered is forgotten on
+    leaving, so that `check` outside the body never raises for an earlier command's Ctrl-C."""
     global _pending
     _pending = False
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    signal.signal(signal.SIGINT, _on_sigint)
+    install = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if install:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if install:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        _pending = False
