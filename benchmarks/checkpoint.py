@@ -4,7 +4,7 @@ background) against synchronous (writing within the step), measured in one run o
 The model is benchmarks/models/llama_350m.py's Llama with fewer layers (`--layers`, default 4: 117M
 parameters), trained with AdamW for a step on CPU so the optimizer state is real; the state a rank
 saves is the emitted program's (program/checkpoint_state.collect: parameters, AdamW moments, step
-counters, generator state), saved by its Checkpointer (program/checkpoint.py) over a 1-rank gloo
+counters, generator state), saved by its Checkpointer (program/checkpoint_save.py) over a 1-rank gloo
 group, `--repeats` times each way. A save's blocking time is what `Checkpointer.save` takes; an
 asynchronous save's write time is until its background write has finished and rank 0 has marked it
 complete.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from backends.torchdist.program import checkpoint, checkpoint_state  # noqa: E402
+from backends.torchdist.program import checkpoint, checkpoint_save, checkpoint_state  # noqa: E402
 
 MODEL_FILE = REPO / "benchmarks" / "models" / "llama_350m.py"
 ROWS = 1                      # one sequence of the model file's SEQ_LEN tokens per step
@@ -77,7 +77,7 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> checkpoi
 
 def _saves(state: checkpoint_state.RankState, root: Path, *, synchronous: bool, repeats: int,
            ) -> list[dict[str, float]]:
-    saver = checkpoint.Checkpointer(root, 1, rank=0, world_size=1, plan_digest="benchmark", keep=1,
+    saver = checkpoint_save.Checkpointer(root, 1, rank=0, world_size=1, plan_digest="benchmark", keep=1,
                                     synchronous=synchronous)
     out = []
     for repeat in range(repeats):

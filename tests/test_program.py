@@ -7,7 +7,8 @@
 - placement maps (node rank, local rank) to plan ranks and refuses a wrong launch with one line;
 - metrics lines are written whole: a short write (file size limit) is removed again, a full disk is one
   line, and readers skip an incomplete last line;
-- lifeline: a child that asked for PR_SET_PDEATHSIG dies with its parent.
+- lifeline: a child that asked for PR_SET_PDEATHSIG dies with its parent;
+- importing the program leaves DCP, ZeRO's optimizer and FSDP's loss scaler to the ranks that use them.
 """
 
 from __future__ import annotations
@@ -81,6 +82,21 @@ def test_the_program_is_the_package_copied_verbatim(tmp_path, mixed_plan):
     assert Plan.load(program / "plan.json").inputs.cluster_name == HOSTILE   # data stays data
     for unit in units:                      # and no unit mentions a plan's values
         assert "pwn" not in unit.read_text()
+
+
+# what a rank of a plan that neither saves, resumes, shards its optimizer state nor scales its loss never
+# needs (DCP, torch.distributed.optim, FSDP's scaler): the units that use them import them on first use
+ON_FIRST_USE = ("torch.distributed.checkpoint", "torch.distributed.optim", "torch.distributed.fsdp")
+
+
+def test_the_program_imports_checkpoints_zero_and_loss_scaling_on_first_use(tmp_path, mixed_plan):
+    emit_program(mixed_plan, MLP, tmp_path / "program")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    probe = f"import sys, program.train; print(sorted(m for m in {ON_FIRST_USE!r} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def test_launch_script_holds_only_checked_names(tmp_path, mixed_plan):

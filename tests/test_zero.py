@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from backends.torchdist.program import checkpoint, checkpoint_state, optimizers, precision, zero
+from backends.torchdist.program import checkpoint, checkpoint_save, checkpoint_state, optimizers, precision, zero
 from backends.torchdist.program.gradsync import GradientSync
 from costmodel import zero as costs
 from planner.core.errors import PlanFileError
@@ -168,7 +168,7 @@ def _scenario(name: str, world: int, rank: int, folder: Path) -> dict[str, Any]:
     process_groups = {g.index: dist.new_group(list(g.ranks)) for g in _groups(world)}
     run = _Run(name, world, rank, process_groups)
     root = folder / f"ckpt_{name}"
-    saver = checkpoint.Checkpointer(root, SAVE_AFTER, rank=rank, world_size=world, plan_digest="zero-test",
+    saver = checkpoint_save.Checkpointer(root, SAVE_AFTER, rank=rank, world_size=world, plan_digest="zero-test",
                                     synchronous=True, timeout_s=30)
     skipped_steps = []
     for step in range(STEPS):

@@ -24,6 +24,9 @@ On the same plan (equal plan digest) everything is restored exactly, so a resume
 bit. On another plan, gradient-compressor state cannot be resharded (group members and bucket contents
 differ) and each rank's generator state has no counterpart: both start fresh, and rank 0 says so in one
 warning line; parameters, optimizer state, the loss scale and the step carry over.
+
+DCP is imported by the readers on first use, as checkpoint_save.py is by train.py: a run that neither
+saves nor resumes never needs it (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -35,11 +38,9 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from backends.compression import GradientCompressor, OneBitAdamW
 from planner.core.ir import Plan
@@ -47,6 +48,9 @@ from planner.core.ir import Plan
 from .checkpoint import CheckpointError, step_of
 from .precision import LossScaler
 from .zero import held_parameters
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 MODEL, OPTIM, COMPRESSOR, SCALER, RNG, META = "model/", "optim/", "compressor/", "scaler/", "rng/", "meta/"
 
@@ -116,6 +120,8 @@ def collect(state: RankState, steps_done: int) -> dict[str, Any]:
 
 def read_metadata(folder: Path) -> Metadata:
     """DCP's metadata of a checkpoint folder (a pickle: open only checkpoints you trust)."""
+    import torch.distributed.checkpoint as dcp  # on first use, as in every reader here (module docstring)
+
     try:
         return dcp.FileSystemReader(str(folder)).read_metadata()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
@@ -125,6 +131,8 @@ def read_metadata(folder: Path) -> Metadata:
 
 def _empty_like_entry(entry: Any) -> Any:
     """A tensor DCP can fill for a tensor entry; None for a plain value (DCP replaces it)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     if isinstance(entry, TensorStorageMetadata):
         return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     return None
@@ -135,6 +143,8 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
     carries over between plans); the steps it was taken after. Each rank reads alone
     (`no_dist=True`), only its own names. `keep_freeze_step`: 1-bit Adam keeps its own freeze step
     (given on the command line) instead of the checkpoint's."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     entries = read_metadata(folder).state_dict_metadata
     request: dict[str, Any] = {}
     for name, tensor in state.tensors.items():
@@ -175,6 +185,8 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
 def _load(folder: Path, request: dict[str, Any]) -> None:
     """DCP's load of `request`'s names from `folder` by this process alone (`no_dist`: in a process with
     a group, DCP's load is otherwise collective), in place: tensors filled, plain values replaced."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -23,7 +23,6 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from planner.core.ir import Plan, StagePlan
 
@@ -67,6 +66,9 @@ class LossScaler:
     overflow) over the default process group: every rank must create one and call it in step."""
 
     def __init__(self, device: torch.device) -> None:
+        # imported here, as checkpoints and ZeRO are (checkpoint.py): only an fp16 plan scales its loss
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
         self.scaler = ShardedGradScaler(device=device.type)
         # stages without the loss never call scale(loss); this creates the same scale on every rank
         self.scaler.scale(torch.ones((), device=device))

@@ -51,6 +51,7 @@ import argparse
 import gc
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,9 @@ from . import (
     tensor_parallel,
     weights,
 )
+
+if TYPE_CHECKING:
+    from . import checkpoint_save
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -282,11 +286,13 @@ def _checkpoint_root(args: argparse.Namespace) -> Path:
 
 
 def _checkpointer(ctx: process_group.Context, args: argparse.Namespace, fault_set: faults.Faults,
-                  plan_digest: str) -> checkpoint.Checkpointer | None:
+                  plan_digest: str) -> checkpoint_save.Checkpointer | None:
     """The saver of --checkpoint-every (None without it); every rank makes one at the same point."""
     if not args.checkpoint_every:
         return None
-    return checkpoint.Checkpointer(_checkpoint_root(args), args.checkpoint_every, rank=ctx.rank,
+    from . import checkpoint_save  # DCP, only for a run that saves (checkpoint.py says why)
+
+    return checkpoint_save.Checkpointer(_checkpoint_root(args), args.checkpoint_every, rank=ctx.rank,
                                    world_size=ctx.world_size, plan_digest=plan_digest,
                                    keep=args.keep_checkpoints, synchronous=args.sync_checkpoint,
                                    timeout_s=args.timeout, during_save=fault_set.during_save)

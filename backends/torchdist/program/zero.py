@@ -25,17 +25,19 @@ so a `zero` `onebit` group is refused, and so is a `zero` group beside 1-bit Ada
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from planner.core.errors import PlanFileError
 from planner.core.ir import GradGroup
 
 from .gradsync import GradientSync
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 MakeOptimizer = Callable[[list[Any]], torch.optim.Optimizer]
 """Builds the program's optimizer over parameters or parameter groups (optimizers.make_optimizer, its
@@ -118,6 +120,9 @@ class ShardedStageOptimizer(torch.optim.Optimizer):
         if len(sharded) != sum(len(members) for _, _, members in shards):
             raise PlanFileError("a parameter is listed by two zero gradient groups of one rank",
                                 field="grad_groups.params", fix="re-plan: each parameter in one gradient group")
+        # imported here, as checkpoints are (checkpoint.py): only a rank of a `zero` group needs it
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         self.shards: list[tuple[int, ZeroRedundancyOptimizer]] = []
         for group, process_group, members in sorted(shards, key=lambda s: s[0].index):
             # the shard's own optimizer is `make` over its partition: the same class and settings as the rest
