@@ -78,7 +78,7 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> checkpoi
 def _saves(state: checkpoint_state.RankState, root: Path, *, synchronous: bool, repeats: int,
            ) -> list[dict[str, float]]:
     saver = checkpoint_save.Checkpointer(root, 1, rank=0, world_size=1, plan_digest="benchmark", keep=1,
-                                    synchronous=synchronous)
+                                         synchronous=synchronous)
     out = []
     for repeat in range(repeats):
         step = repeat + 1

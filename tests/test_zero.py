@@ -169,7 +169,7 @@ def _scenario(name: str, world: int, rank: int, folder: Path) -> dict[str, Any]:
     run = _Run(name, world, rank, process_groups)
     root = folder / f"ckpt_{name}"
     saver = checkpoint_save.Checkpointer(root, SAVE_AFTER, rank=rank, world_size=world, plan_digest="zero-test",
-                                    synchronous=True, timeout_s=30)
+                                         synchronous=True, timeout_s=30)
     skipped_steps = []
     for step in range(STEPS):
         if run.step(step):

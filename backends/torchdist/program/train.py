@@ -293,9 +293,9 @@ def _checkpointer(ctx: process_group.Context, args: argparse.Namespace, fault_se
     from . import checkpoint_save  # DCP, only for a run that saves (checkpoint.py says why)
 
     return checkpoint_save.Checkpointer(_checkpoint_root(args), args.checkpoint_every, rank=ctx.rank,
-                                   world_size=ctx.world_size, plan_digest=plan_digest,
-                                   keep=args.keep_checkpoints, synchronous=args.sync_checkpoint,
-                                   timeout_s=args.timeout, during_save=fault_set.during_save)
+                                        world_size=ctx.world_size, plan_digest=plan_digest,
+                                        keep=args.keep_checkpoints, synchronous=args.sync_checkpoint,
+                                        timeout_s=args.timeout, during_save=fault_set.during_save)
 
 
 def _resume(ctx: process_group.Context, args: argparse.Namespace, state: checkpoint_state.RankState) -> int:
