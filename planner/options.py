@@ -56,7 +56,8 @@ class PlanOptions:
         return SearchOptions(strategy=self.strategy, stages=self.stages, tp=self.tp, zero=self.zero,
                              micro_batch=self.micro_batch,
                              use_all_devices=self.use_all_devices, schedule=self.schedule, objective=self.objective,
-                             solver=SolverSettings(work_limit_s=self.time_limit_s, dump_dir=dump))
+                             solver=SolverSettings(work_limit_s=self.time_limit_s, dump_dir=dump),
+                             fork=controls.fork_steps if controls else True)
 
     def as_pairs(self) -> tuple[tuple[str, str], ...]:
         items = {k: v for k, v in vars(self).items() if k != "names"}

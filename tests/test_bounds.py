@@ -38,8 +38,33 @@ def test_bounds_never_exceed_the_exact_optimum(source, seed):
         before = max(degrees.compute_bound_s(v.tables), bounds.pipeline_bound_s(v.tables))
         items = ilp.pareto_items(v.tables, v.configs)
         over_items = bounds.items_bound_s(v.tables, v.configs, [(i.config, i.time_ns, i.capacity) for i in items])
+        with_sync = degrees.sync_bound_s(v.tables, v.configs, items, TIME, v.zero_group)
         assert before <= exact.objective_s + NS_S, (v.tp_degree, v.zero_group, before, exact.objective_s)
         assert over_items <= exact.objective_s + NS_S, (v.tp_degree, v.zero_group, over_items, exact.objective_s)
+        assert over_items - NS_S <= with_sync <= exact.objective_s + NS_S, (v.tp_degree, v.zero_group, over_items,
+                                                                            with_sync, exact.objective_s)
+
+
+def test_the_bound_with_sync_is_closer_to_the_optimum_than_the_bound_over_the_items():
+    """Over the same instances, where the bound over the items falls short of the optimum (75 of 99 feasible
+    variants when written) the bound with each item's gradient sync is above it on most (all 75 then), and
+    on the median variant it is the optimum itself (the items bound: two thirds of it)."""
+    above, short, ratios = 0, 0, []
+    for source, seed in CASES:
+        for v in _variants(source, seed):
+            exact = exact_solution(v.tables, v.configs, min_replicas=v.zero_group)
+            if exact is None:
+                continue
+            items = ilp.pareto_items(v.tables, v.configs)
+            over_items = bounds.items_bound_s(v.tables, v.configs, [(i.config, i.time_ns, i.capacity) for i in items])
+            with_sync = degrees.sync_bound_s(v.tables, v.configs, items, TIME, v.zero_group)
+            ratios.append(with_sync / exact.objective_s)
+            if over_items < exact.objective_s - NS_S:
+                short += 1
+                above += with_sync > over_items + NS_S
+    assert short >= 40
+    assert above >= short * 0.9, (above, short)
+    assert sorted(ratios)[len(ratios) // 2] >= 0.95
 
 
 def test_bounds_are_not_vacuous():
@@ -84,6 +109,7 @@ def test_pruned_search_chooses_what_the_full_search_chooses(monkeypatch):
     monkeypatch.setattr(bounds, "pipeline_bound_s", lambda *a, **k: 0.0)
     monkeypatch.setattr(bounds, "items_bound_s", lambda *a, **k: 0.0)
     monkeypatch.setattr(degrees, "compute_bound_s", lambda *a, **k: 0.0)
+    monkeypatch.setattr(degrees, "sync_bound_s", lambda *a, **k: 0.0)
     unpruned, records_all = degrees.search(tabs, TIME)
     assert not any(str(r.get("pruned", "")).startswith(("lower bound", "bound over")) for r in records_all)
     (s, v), (u, w) = found[0], unpruned[0]

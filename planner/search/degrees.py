@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from costmodel import sharded_state, tensor_parallel
@@ -31,6 +32,7 @@ from planner.search.options import SearchOptions
 from planner.search.split import fits_greedily
 
 ZERO_MAX_GROUP = 8       # the moments over 8 replicas: 1/8 left, most of what sharding saves
+SOLVE_THREADS = 2        # variants solved at once once one is solved (CP-SAT releases the interpreter lock)
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,12 @@ def search(tables: CostTables, options: SearchOptions,
     Under the time objective the variants are taken likeliest winner first (below), and a variant whose lower
     bound (`compute_bound_s` and bounds.pipeline_bound_s: the least time any plan of the variant could
     take) exceeds the best objective found so far is skipped before its configurations are built, or,
-    by the bound over its CP-SAT items (bounds.items_bound_s), before its model is: it could not win, so
-    the chosen plan is the one the full search would choose. The others are solved with the best time
-    so far as a cutoff (ilp.solve_regime). The runners-up then come from the variants solved."""
+    by the bound over its CP-SAT items (bounds.items_bound_s, then with their gradient sync:
+    `sync_bound_s`), before its model is: it could not win, so the chosen plan is the one the full search
+    would choose. The others are solved with the best time so far as a cutoff (ilp.solve_regime): once one
+    variant is solved, two at a time on threads (CP-SAT releases the interpreter lock), each decided with
+    the best of every variant before it but the one solving beside it, so the decisions, the records and
+    the plan never depend on which solve ends first. The runners-up then come from the variants solved."""
     by_time = options.objective == "time"
     interleaved = options.schedule in ("auto", "interleaved")
     todo = [(max(compute_bound_s(at), bounds.pipeline_bound_s(at, options.stages, options.micro_batch, interleaved))
@@ -188,8 +193,12 @@ def search(tables: CostTables, options: SearchOptions,
         return build_configs(at, options.stages, options.micro_batch, schedule=options.schedule)
 
     # each variant's configurations and items built on a worker while the one before it solves (ahead)
-    with ahead.built_ahead([at for _, _, _, at in todo], make_configs, with_items) as builds:
+    pending: list[tuple[dict[str, float | int | str], Variant, float, Future[list[Solution]]]] = []
+    with ahead.built_ahead([at for _, _, _, at in todo], make_configs, with_items, options.fork) as builds, \
+            ThreadPoolExecutor(max_workers=SOLVE_THREADS, thread_name_prefix="hetplan-solve") as solves:
         for (bound_s, t, z, at), future in zip(todo, builds):
+            while len(pending) >= SOLVE_THREADS:     # each decision knows every solve but the latest one's
+                best_s = _taken(pending.pop(0), found, best_s)
             record: dict[str, float | int | str] = {"tp_degree": t, "zero_group": z, "bound_s": bound_s,
                                                     "configs_s": 0.0, "solve_s": 0.0, "configurations": 0}
             records.append(record)
@@ -216,18 +225,58 @@ def search(tables: CostTables, options: SearchOptions,
                     record["pruned"] = "bound over the CP-SAT items above the best found"
                     record["solve_s"] = time.perf_counter() - t0
                     continue
-            solutions = solve(variant, options, best_s if by_time else None, built.items)
-            record["solve_s"] = time.perf_counter() - t0
-            found.extend((s, variant) for s in solutions)
-            if solutions:
-                record["objective_s"] = solutions[0].objective_s
-                best_s = min(best_s, min(s.objective_s for s in solutions))
+                if best_s < float("inf"):
+                    record["sync_bound_s"] = sync_bound_s(at, built.configs, built.items, options, z)
+                    if _above(float(record["sync_bound_s"]), best_s):
+                        record["pruned"] = "bound over the CP-SAT items with their gradient sync above the best found"
+                        record["solve_s"] = time.perf_counter() - t0
+                        continue
+            cutoff_s = best_s if by_time else None
+            if best_s == float("inf"):       # nothing found yet: solved here, its best bounds the rest
+                solutions = solve(variant, options, cutoff_s, built.items)
+                record["solve_s"] = time.perf_counter() - t0
+                best_s = _absorb(record, variant, solutions, found, best_s)
+            else:      # the rest two at once, each against the best of those before the one beside it
+                pending.append((record, variant, t0, solves.submit(solve, variant, options, cutoff_s, built.items)))
+        for solving in pending:
+            best_s = _taken(solving, found, best_s)
 
     def key(sv: tuple[Solution, Variant]) -> tuple[float, float, int, int, bool]:
         s, v = sv
         price = cost.cost_per_sample(v.tables, s) if options.objective == "cost" else 0.0
         return (round(price, 15), round(s.objective_s, 12), v.tp_degree, v.zero_group, s.one_node)
     return sorted(found, key=key), records
+
+
+def sync_bound_s(tables: CostTables, configs: list[Config], items: list[ilp.Item], options: SearchOptions,
+                 min_replicas: int) -> float:
+    """bounds.sync_bound_s over the variant's items, with each sync group's time per replica level as the
+    CP-SAT model charges it, in the regimes it solves (ilp.solve_regimes)."""
+    groups, group_of = ilp.sync_groups(configs, items)
+    grid = ilp.replica_grid(sum(c.num_devices for c in tables.classes))
+    regimes = [False] if options.use_all_devices else [False, True]
+    syncs = {one: ilp.group_syncs_ns(tables, configs, groups, one, grid) for one in regimes}
+    return bounds.sync_bound_s(tables, configs, [(i.config, i.time_ns, i.capacity) for i in items], group_of,
+                               syncs, grid, min_replicas)
+
+
+def _taken(solving: tuple[dict[str, float | int | str], Variant, float, Future[list[Solution]]],
+           found: list[tuple[Solution, Variant]], best_s: float) -> float:
+    """A variant's solve, waited for and absorbed (`_absorb`); the best objective so far."""
+    record, variant, t0, future = solving
+    solutions = future.result()
+    record["solve_s"] = time.perf_counter() - t0
+    return _absorb(record, variant, solutions, found, best_s)
+
+
+def _absorb(record: dict[str, float | int | str], variant: Variant, solutions: list[Solution],
+            found: list[tuple[Solution, Variant]], best_s: float) -> float:
+    """Add a variant's solutions to those found and its best to its record; the best objective so far."""
+    found.extend((s, variant) for s in solutions)
+    if not solutions:
+        return best_s
+    record["objective_s"] = solutions[0].objective_s
+    return min(best_s, min(s.objective_s for s in solutions))
 
 
 def middle_out(degrees: list[int]) -> dict[int, int]:

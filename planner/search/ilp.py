@@ -102,10 +102,36 @@ def frontier(items: list[Item], configs: list[Config], step_fraction: int) -> li
     return out
 
 
-def sync_key(config: Config) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]:
+SyncKey = tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]
+
+
+def sync_key(config: Config) -> SyncKey:
     """What a configuration's sync time depends on: its shape, its split and the gradient compressors
     its stages have the memory for (() where not restricted)."""
     return config.shape, config.split.bounds, config.stage_compressors or ()
+
+
+def sync_groups(configs: list[Config], items: list[Item]) -> tuple[list[SyncKey], list[int]]:
+    """The items' sync groups (sync_key), in the model's order, and each item's group."""
+    keys = [sync_key(configs[it.config]) for it in items]
+    groups = sorted(set(keys), key=lambda g: (len(g[1]), g))
+    index = {g: gi for gi, g in enumerate(groups)}
+    return groups, [index[k] for k in keys]
+
+
+def group_syncs_ns(tables: CostTables, configs: list[Config], groups: list[SyncKey], one_node: bool,
+                   grid: list[int]) -> list[list[int]]:
+    """Per sync group, its sync time at each level of the replica grid as the model charges it: on the
+    network, or with `one_node` on the node's link (planner.search.sync)."""
+    inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
+    out = []
+    for shape, bounds, room in groups:
+        table = tables.classes[shape[0]]
+        link = table.intra_link if one_node else inter
+        overlap = overlap_of(tables, configs, shape, bounds)
+        out.append([to_ns(t) for t in split_sync_s(tables, shape[0], bounds, grid, link, overlap, room or None,
+                                                    shape_chunks(shape))])
+    return out
 
 
 def replica_grid(max_replicas: int) -> list[int]:
@@ -166,7 +192,6 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
     for l, g in enumerate(grid[:-1]):
         model.add(replicas <= g).only_enforce_if(above[l].Not())
         model.add(replicas >= g + 1).only_enforce_if(above[l])
-    inter = Link("inter", tables.inter_bandwidth_bytes_s, tables.inter_latency_s)
     t_sync = model.new_int_var(0, 1 << 50, "t_sync_ns")
     # splits used together must have nested cuts (aligned gradient groups, planner.search.align)
     splits = sorted({configs[it.config].split.bounds for it in items}, key=lambda b: (len(b), b))
@@ -184,20 +209,14 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
             model.add_bool_or([split_used[a].Not(), split_used[b].Not()])
     # one sync term per (shape, split, compressors its stages have the memory for): configurations
     # whose stages fit different compressors are charged their own sync (planner.search.compressors)
-    groups = sorted({sync_key(configs[it.config]) for it in items}, key=lambda g: (len(g[1]), g))
+    groups, group_of = sync_groups(configs, items)
     class_used: dict[int, list[cp_model.IntVar]] = {ci: [] for ci in range(len(tables.classes))}
-    for gi, (shape, bounds, room) in enumerate(groups):
+    for gi, ((shape, _, _), at) in enumerate(zip(groups, group_syncs_ns(tables, configs, groups, one_node, grid))):
         ci = shape[0]
-        members = [i for i, it in enumerate(items) if sync_key(configs[it.config]) == (shape, bounds, room)]
         group_used = model.new_bool_var(f"group{gi}")
-        for i in members:
+        for i in (i for i, g in enumerate(group_of) if g == gi):
             model.add(n[i] <= n_max[i] * group_used)
         class_used[ci].append(group_used)
-        table = tables.classes[ci]
-        link = table.intra_link if one_node else inter
-        overlap = overlap_of(tables, configs, shape, bounds)
-        at = [to_ns(t) for t in split_sync_s(tables, ci, bounds, grid, link, overlap, room or None,
-                                              shape_chunks(shape))]
         # at[0]: one replica's sync, nonzero where a tied parameter joins stages of one pipeline
         model.add(t_sync >= at[0] + sum(above[l] * (at[l + 1] - at[l]) for l in range(len(grid) - 1))
                   ).only_enforce_if(group_used)

@@ -21,3 +21,6 @@ class SearchOptions:
     schedule: str = "auto"             # auto (chosen per replica) | 1f1b | gpipe | interleaved
     objective: str = "time"            # time per iteration | cost per sample
     solver: SolverSettings = field(default_factory=SolverSettings)
+    # how, not what: the later variants' builds in a forked child (planner.search.ahead); False keeps them
+    # in this process (a caller that must not fork: RunControls.fork_steps)
+    fork: bool = True
