@@ -3,7 +3,9 @@
 frontend (trace on meta) -> annotate -> blocks -> cost tables -> search -> assemble -> verify -> verify the
 communication (passes.comm: every rank's stream proved free of deadlock, recorded in the plan's `comm`) ->
 run each stage once on meta (passes.stage_check; what makes the run differ from one process: `warnings`) ->
-the checkpoint's cost and interval (costmodel.checkpoint: `checkpoint`).
+the checkpoint's cost and interval (costmodel.checkpoint: `checkpoint`). For a model whose training state
+outgrows every device, both checks run in a forked child that traced it at one row beside the first trace
+(planner.checks_ahead), while the runners-up are ranked in another.
 
 A cluster less lost devices (ClusterSpec.without) is planned like any other; the plan records the labels
 it was made without (`inputs.lost_devices`). `plan replan` (planner.replanning, planner.cli.replan_cmd)
@@ -16,7 +18,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,17 +33,16 @@ from costmodel.tables import CostTables, build_tables
 from passes.annotate import Annotate, MetaShapes
 from passes.base import PassManager
 from passes.blocks import BLOCKS_KEY, Blocks
-from passes.comm import verify_comm
-from passes.comm.inputs import trace_splits, traced_inputs
 from passes.saved import SavedActivations
 from passes.shardings import block_shardings
-from passes.stage_check import check_batch_norm_rows, check_plan_stages, training_notes
+from passes.stage_check import check_batch_norm_rows, training_notes
 from passes.verify import verify_plan
-from planner import dumps, frontend, own_processes, runners_up
+from planner import checks_ahead, dumps, frontend, own_processes, runners_up
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec
+from planner.core.comm_records import CommRecord
 from planner.core.errors import HetplanError, PlanningError
-from planner.core.forked import forked
+from planner.core.forked import Waiting, forked
 from planner.core.frozen_heap import frozen_heap
 from planner.core.ir import Plan, PlanInputs, SolverFacts
 from planner.frontend.cluster import load_cluster
@@ -53,9 +54,6 @@ from planner.search.configs import build_configs
 from planner.search.options import SearchOptions
 
 DEFAULT_TRACE_BATCH = 2
-# how long a forked step (the runners-up, the communication verifier) may go without a result before it is
-# killed and made here instead (core.forked): 100x what each takes for Llama-2-70B on 1024 GPUs
-CHILD_WAIT_S = 120.0
 
 
 @dataclass
@@ -174,14 +172,26 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         model_file = load_onnx_model(model, DEFAULT_TRACE_BATCH) if is_onnx_file(model) else \
             frontend.load_model_file(model, options.names, controls.trace_timeout_s)
     trace_batch = model_file.trace_batch if isinstance(model_file, OnnxModel) else DEFAULT_TRACE_BATCH
+    with ExitStack() as stack:
+        with timer.phase("trace_s"), frozen_heap():      # the collector skips the heap there is (core.frozen_heap)
+            # a large model's one-row trace and the plan's checks, in a child that starts now (checks_ahead)
+            ahead = stack.enter_context(checks_ahead.traced_ahead(model_file, spec, controls.fork_steps)) \
+                if isinstance(model_file, frontend.ModelFile) else None
+            gm, meta_inputs = _trace_on_meta(model_file, trace_batch)
+            if isinstance(model_file, frontend.ModelFile):
+                check_dataset(model_file, options.global_batch)   # dataset() holds one global batch
+            passes = analyse(gm, meta_inputs, options.max_blocks, controls.dump_ir_dir)
+        return _planned(options, controls, timer, start, spec, calibration, model_file, trace_batch, gm, passes,
+                        ahead)
 
-    with timer.phase("trace_s"), frozen_heap():      # the collector skips the heap there is (core.frozen_heap)
-        gm, meta_inputs = _trace_on_meta(model_file, trace_batch)
-        if isinstance(model_file, frontend.ModelFile):
-            check_dataset(model_file, options.global_batch)   # dataset() holds one global batch
-        passes = analyse(gm, meta_inputs, options.max_blocks, controls.dump_ir_dir)
+
+def _planned(options: PlanOptions, controls: RunControls, timer: PhaseTimer, start: float, spec: ClusterSpec,
+             calibration: Calibration | None, model_file: frontend.ModelFile | OnnxModel, trace_batch: int,
+             gm: fx.GraphModule, passes: PassManager,
+             ahead: Waiting[fx.GraphModule, Plan, CommRecord] | None) -> PlanResult:
+    """plan() from the traced model on: cost, search, the checks, the runners-up; `ahead`: the child
+    that traced the model at one row and checks the plan (checks_ahead), where there is one."""
     blocks: list[Block] = gm.meta[BLOCKS_KEY]
-
     with timer.phase("cost_s"):
         tables = cost_tables(options, gm, blocks, spec, calibration, trace_batch)
     search_options = options.search_options(controls)
@@ -190,7 +200,7 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
 
     cluster_path = Path(spec.source_path) if spec.source_path else None
     inputs = PlanInputs(
-        model_path=str(Path(model).resolve()), model_digest=model_file.digest,
+        model_path=str(model_file.path.resolve()), model_digest=model_file.digest,
         cluster_path=str(cluster_path.resolve()) if cluster_path else "",
         cluster_digest=file_digest(cluster_path) if cluster_path and cluster_path.is_file() else "",
         cluster_name=spec.name, options=options.as_pairs(), trace_batch=trace_batch,
@@ -226,17 +236,17 @@ def plan(model: str | Path, cluster: str | Path | ClusterSpec, options: PlanOpti
         if isinstance(model_file, frontend.ModelFile):  # an .onnx graph is cost-only: no program communicates
             with timer.phase("comm_s"), frozen_heap():
                 check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
-                splits = trace_splits(result, model_file, gm, trace_batch)
-                streams, checked = traced_inputs(result, splits, gm), result
-                # the verifier (pure Python) in a child while each stage's forward and backward runs once
-                # on meta here (torch's work stays in this process: core.forked)
-                with forked(lambda: verify_comm(checked, streams), controls.fork_steps) as verifying:
-                    check_plan_stages(splits, model_file)
-                    result = dataclasses.replace(result, comm=verifying.result(CHILD_WAIT_S))
+                if ahead is not None and checks_ahead.uses_ahead_rows(result):
+                    comm = ahead.result(result, checks_ahead.CHILD_WAIT_S)
+                else:
+                    if ahead is not None:
+                        ahead.stop()
+                    comm = checks_ahead.checked_comm(result, model_file, gm, trace_batch, controls.fork_steps)
+                result = dataclasses.replace(result, comm=comm)
             result = dataclasses.replace(result, warnings=training_notes(result, gm))
         if child is not None:
             with timer.phase("runners_up_s"):     # what the checks left to wait for
-                result = dataclasses.replace(result, solver=child.result(CHILD_WAIT_S))
+                result = dataclasses.replace(result, solver=child.result(checks_ahead.CHILD_WAIT_S))
     result = dataclasses.replace(result, warnings=result.warnings + cost_notes(result, spec, calibration))
     result = dataclasses.replace(result, checkpoint=checkpoint_advice(result, spec))
     timings = {**timer.timings_s, "total_s": time.perf_counter() - start}

@@ -10,7 +10,7 @@ import pytest
 
 from planner.core import forked as forked_module
 from planner.core.errors import PlanningError
-from planner.core.forked import can_fork, forked
+from planner.core.forked import can_fork, forked, forked_until
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="fork, or a second core, is missing here")
 
@@ -142,3 +142,74 @@ def test_a_plan_is_the_same_whether_its_steps_ran_forked_or_here(monkeypatch):
     assert len(forks) == 3                      # none more
     assert forked_plan == here
     assert here.solver.runners_up and here.comm is not None and here.comm.digests    # both steps ran
+
+
+# ----- a child that prepares at once and finishes on a message (forked_until) ---------------------------
+
+@needs_fork
+def test_the_child_prepares_before_the_message_and_finishes_with_it():
+    parent = os.getpid()
+    state = {"rows": [1, 2, 3]}
+
+    def prepare() -> tuple[int, int]:
+        return os.getpid(), sum(state["rows"])
+
+    def finish(prepared: tuple[int, int], message: int) -> tuple[int, int, int]:
+        pid, total = prepared
+        return pid, os.getpid(), total * message
+
+    with forked_until(prepare, finish) as child:
+        state["rows"] = []                       # after the fork: not the child's
+        prepared_in, finished_in, value = child.result(10)
+    assert prepared_in == finished_in != parent and value == 60
+
+
+@needs_fork
+def test_an_error_while_preparing_is_raised_only_when_a_message_asks():
+    def prepare() -> None:
+        raise PlanningError("cannot trace at one row", file="model.py", field="model", fix="x")
+
+    with forked_until(prepare, lambda prepared, message: message) as child:
+        pid = child._pid
+    assert pid is not None and _gone(pid)       # left without asking: nothing raised, the child reaped
+    with forked_until(prepare, lambda prepared, message: message) as child, \
+            pytest.raises(PlanningError, match="cannot trace at one row"):
+        child.result("plan")
+
+
+@needs_fork
+def test_the_message_arrives_while_a_later_child_holds_the_pipe_open():
+    """A child forked after this one inherits the parent's end of the message pipe: the message is read by
+    its length, so the answer does not wait for that later child to end."""
+    with forked_until(lambda: 2, lambda prepared, message: prepared * message) as child:
+        with forked(lambda: time.sleep(30)):       # holds a copy of the message pipe's write end
+            start = time.monotonic()
+            assert child.result(message=21, timeout_s=20) == 42
+            assert time.monotonic() - start < 10
+
+
+@needs_fork
+def test_the_child_prints_nothing(capfd):
+    def prepare() -> int:
+        print("a warning the parent printed already")
+        os.write(2, b"and one on stderr\n")
+        return 1
+
+    with forked_until(prepare, lambda prepared, message: prepared + message) as child:
+        assert child.result(1, 10) == 2
+    out, err = capfd.readouterr()
+    assert "warning" not in out and "stderr" not in err
+
+
+def test_without_a_fork_both_steps_run_here_on_the_message(monkeypatch):
+    monkeypatch.setattr(forked_module.os, "cpu_count", lambda: 1)
+    calls: list[str] = []
+
+    def prepare() -> int:
+        calls.append("prepare")
+        return 5
+
+    with forked_until(prepare, lambda prepared, message: (os.getpid(), prepared + message)) as child:
+        assert calls == []
+        assert child.result(1) == (os.getpid(), 6)
+    assert calls == ["prepare"]

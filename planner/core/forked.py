@@ -16,6 +16,11 @@ step included) kills a child still running and reaps it, and a child silent past
 killed and its step made in the parent. The child leaves by `os._exit`, so it runs no exit handler of
 the parent's and flushes none of its buffers; an exception it raised is re-raised in the parent (a
 KeyboardInterrupt too: Ctrl-C reaches both processes).
+
+`forked_until(prepare, finish)` is a child that starts on `prepare()` at once (work worth doing early, on
+a core that would idle) and then waits for a message: `result(message)` sends it, and the child answers
+`finish(prepared, message)`. Its output goes nowhere (what it prepares may never be asked for; its
+errors come back through the pipe), and an error of `prepare` is raised only if a message asks for it.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+P = TypeVar("P")
+M = TypeVar("M")
 _OK, _RAISED = 0, 1
+_LENGTH_BYTES = 8
 
 
 class Child(Generic[T]):
@@ -123,3 +131,128 @@ def forked(fn: Callable[[], T], enabled: bool = True) -> Iterator[Child[T]]:
         yield child
     finally:
         child.stop()
+
+
+class Waiting(Generic[P, M, T]):
+    """A forked child that made `prepare()` and waits for the message to `finish` it with (or where it
+    cannot fork, both made in this process by `result`)."""
+
+    def __init__(self, prepare: Callable[[], P], finish: Callable[[P, M], T], pid: int | None,
+                 read_fd: int | None, send_fd: int | None) -> None:
+        self._prepare, self._finish = prepare, finish
+        self._pid, self._read_fd, self._send_fd = pid, read_fd, send_fd
+        self._child: Child[T] | None = None
+
+    def result(self, message: M, timeout_s: float | None = None) -> T:
+        """`finish(prepare(), message)`, made by the child from what it prepared; as Child.result, a child
+        silent past `timeout_s` is killed and both steps run here."""
+        if self._send_fd is not None:
+            data = pickle.dumps(message)
+            try:
+                _write_all(self._send_fd, len(data).to_bytes(_LENGTH_BYTES, "little") + data)
+            except OSError:                          # the child is gone: Child.result says so
+                pass
+        self._close_send()
+        self._child = Child(lambda: self._finish(self._prepare(), message), self._pid, self._read_fd)
+        return self._child.result(timeout_s)
+
+    def stop(self) -> None:
+        """Kill the child unless its result was taken, and reap it; close the pipes."""
+        self._close_send()
+        if self._child is None:
+            self._child = Child(_never_asked, self._pid, self._read_fd)
+        self._child.stop()
+
+    def _close_send(self) -> None:
+        if self._send_fd is not None:
+            os.close(self._send_fd)
+            self._send_fd = None
+
+
+@contextmanager
+def forked_until(prepare: Callable[[], P], finish: Callable[[P, M], T],
+                 enabled: bool = True) -> Iterator[Waiting[P, M, T]]:
+    """`prepare` started in a forked child that then waits for `result(message)` (both in this process, on
+    `result`, where `can_fork` is false or the caller asks for no fork)."""
+    if not (enabled and can_fork()):
+        yield Waiting(prepare, finish, None, None, None)
+        return
+    read_fd, write_fd = os.pipe()
+    message_read_fd, send_fd = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:                                     # the child: prepare, wait, finish, send, leave
+        os.close(read_fd)
+        os.close(send_fd)
+        _silence()
+        code = 0
+        try:
+            prepared: P | None = None
+            failed: BaseException | None = None
+            try:
+                prepared = prepare()
+            except BaseException as exc:             # noqa: BLE001 - raised only if a message asks
+                failed = exc
+            message = _read_message(message_read_fd)
+            if message is None:                      # the parent left without asking
+                os._exit(0)
+            try:
+                if failed is not None:
+                    raise failed
+                out = pickle.dumps((_OK, finish(prepared, message)))   # type: ignore[arg-type]
+            except BaseException as exc:             # noqa: BLE001 - every failure goes to the parent
+                out = _raised(exc)
+            with os.fdopen(write_fd, "wb") as pipe:
+                pipe.write(out)
+        except BaseException:                        # noqa: BLE001 - unpicklable, or the parent left
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    os.close(message_read_fd)
+    waiting: Waiting[P, M, T] = Waiting(prepare, finish, pid, read_fd, send_fd)
+    try:
+        yield waiting
+    finally:
+        waiting.stop()
+
+
+def _never_asked() -> Any:
+    raise RuntimeError("a stopped child's step was asked for")
+
+
+def _silence() -> None:
+    """Send this process's stdout and stderr to /dev/null, the streams and the descriptors both."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stdout = sys.stderr = open(os.devnull, "w")     # open as long as this child lives
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_message(fd: int) -> Any:
+    """The length-prefixed pickled message on `fd`, or None at its end without one (the length, not the
+    pipe's end, closes it: a process forked later may still hold the pipe's write end)."""
+    header = _read_exactly(fd, _LENGTH_BYTES)
+    if header is None:
+        return None
+    data = _read_exactly(fd, int.from_bytes(header, "little"))
+    return None if data is None else pickle.loads(data)
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
