@@ -237,7 +237,8 @@ def _planned(options: PlanOptions, controls: RunControls, timer: PhaseTimer, sta
             with timer.phase("comm_s"), frozen_heap():
                 check_batch_norm_rows(result, gm, trace_batch, str(model_file.path))   # before a trace at that size
                 if ahead is not None and checks_ahead.uses_ahead_rows(result):
-                    comm = ahead.result(result, checks_ahead.CHILD_WAIT_S)
+                    ahead.send(result)
+                    comm = ahead.result(checks_ahead.CHILD_WAIT_S)
                 else:
                     if ahead is not None:
                         ahead.stop()

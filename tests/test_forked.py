@@ -160,6 +160,7 @@ def test_the_child_prepares_before_the_message_and_finishes_with_it():
 
     with forked_until(prepare, finish) as child:
         state["rows"] = []                       # after the fork: not the child's
+        child.send(10)
         prepared_in, finished_in, value = child.result(10)
     assert prepared_in == finished_in != parent and value == 60
 
@@ -174,7 +175,8 @@ def test_an_error_while_preparing_is_raised_only_when_a_message_asks():
     assert pid is not None and _gone(pid)       # left without asking: nothing raised, the child reaped
     with forked_until(prepare, lambda prepared, message: message) as child, \
             pytest.raises(PlanningError, match="cannot trace at one row"):
-        child.result("plan")
+        child.send("plan")
+        child.result()
 
 
 @needs_fork
@@ -184,7 +186,8 @@ def test_the_message_arrives_while_a_later_child_holds_the_pipe_open():
     with forked_until(lambda: 2, lambda prepared, message: prepared * message) as child:
         with forked(lambda: time.sleep(30)):       # holds a copy of the message pipe's write end
             start = time.monotonic()
-            assert child.result(message=21, timeout_s=20) == 42
+            child.send(21)
+            assert child.result(timeout_s=20) == 42
             assert time.monotonic() - start < 10
 
 
@@ -196,7 +199,8 @@ def test_the_child_prints_nothing(capfd):
         return 1
 
     with forked_until(prepare, lambda prepared, message: prepared + message) as child:
-        assert child.result(1, 10) == 2
+        child.send(1)
+        assert child.result(10) == 2
     out, err = capfd.readouterr()
     assert "warning" not in out and "stderr" not in err
 
@@ -210,6 +214,7 @@ def test_without_a_fork_both_steps_run_here_on_the_message(monkeypatch):
         return 5
 
     with forked_until(prepare, lambda prepared, message: (os.getpid(), prepared + message)) as child:
-        assert calls == []
-        assert child.result(1) == (os.getpid(), 6)
+        child.send(1)
+        assert calls == []                       # made on `result()`
+        assert child.result() == (os.getpid(), 6)
     assert calls == ["prepare"]

@@ -18,8 +18,8 @@ the parent's and flushes none of its buffers; an exception it raised is re-raise
 KeyboardInterrupt too: Ctrl-C reaches both processes).
 
 `forked_until(prepare, finish)` is a child that starts on `prepare()` at once (work worth doing early, on
-a core that would idle) and then waits for a message: `result(message)` sends it, and the child answers
-`finish(prepared, message)`. Its output goes nowhere (what it prepares may never be asked for; its
+a core that would idle) and then waits for a message: `send(message)` gives it, and `result()` is the
+child's `finish(prepared, message)`. Its output goes nowhere (what it prepares may never be asked for; its
 errors come back through the pipe), and an error of `prepare` is raised only if a message asks for it.
 """
 
@@ -101,9 +101,10 @@ def can_fork() -> bool:
 
 
 @contextmanager
-def forked(fn: Callable[[], T], enabled: bool = True) -> Iterator[Child[T]]:
+def forked(fn: Callable[[], T], enabled: bool = True, niceness: int = 0) -> Iterator[Child[T]]:
     """`fn` started in a forked child (in this process, on `result()`, where `can_fork` is false or the
-    caller asks for no fork)."""
+    caller asks for no fork); `niceness`: the child's scheduling priority that much lower (os.nice), for a
+    step that should take only a core the others leave idle."""
     if not (enabled and can_fork()):
         yield Child(fn, None, None)
         return
@@ -116,6 +117,8 @@ def forked(fn: Callable[[], T], enabled: bool = True) -> Iterator[Child[T]]:
         code = 0
         try:
             try:
+                if niceness:
+                    os.nice(niceness)
                 message = pickle.dumps((_OK, fn()))
             except BaseException as exc:             # noqa: BLE001 - every failure goes to the parent
                 message = _raised(exc)
@@ -135,7 +138,7 @@ def forked(fn: Callable[[], T], enabled: bool = True) -> Iterator[Child[T]]:
 
 class Waiting(Generic[P, M, T]):
     """A forked child that made `prepare()` and waits for the message to `finish` it with (or where it
-    cannot fork, both made in this process by `result`)."""
+    cannot fork, both made in this process by `result`). `send` the message, then take the `result`."""
 
     def __init__(self, prepare: Callable[[], P], finish: Callable[[P, M], T], pid: int | None,
                  read_fd: int | None, send_fd: int | None) -> None:
@@ -143,9 +146,10 @@ class Waiting(Generic[P, M, T]):
         self._pid, self._read_fd, self._send_fd = pid, read_fd, send_fd
         self._child: Child[T] | None = None
 
-    def result(self, message: M, timeout_s: float | None = None) -> T:
-        """`finish(prepare(), message)`, made by the child from what it prepared; as Child.result, a child
-        silent past `timeout_s` is killed and both steps run here."""
+    def send(self, message: M) -> None:
+        """Give the child its message: it finishes now, while this process goes on (once only)."""
+        if self._child is not None:
+            raise RuntimeError("a waiting child takes one message")
         if self._send_fd is not None:
             data = pickle.dumps(message)
             try:
@@ -154,6 +158,12 @@ class Waiting(Generic[P, M, T]):
                 pass
         self._close_send()
         self._child = Child(lambda: self._finish(self._prepare(), message), self._pid, self._read_fd)
+
+    def result(self, timeout_s: float | None = None) -> T:
+        """`finish(prepare(), message)` for the message sent, made by the child from what it prepared; as
+        Child.result, a child silent past `timeout_s` is killed and both steps run here."""
+        if self._child is None:
+            raise RuntimeError("send the waiting child its message first")
         return self._child.result(timeout_s)
 
     def stop(self) -> None:
@@ -172,7 +182,7 @@ class Waiting(Generic[P, M, T]):
 @contextmanager
 def forked_until(prepare: Callable[[], P], finish: Callable[[P, M], T],
                  enabled: bool = True) -> Iterator[Waiting[P, M, T]]:
-    """`prepare` started in a forked child that then waits for `result(message)` (both in this process, on
+    """`prepare` started in a forked child that then waits for `send(message)` (both in this process, on
     `result`, where `can_fork` is false or the caller asks for no fork)."""
     if not (enabled and can_fork()):
         yield Waiting(prepare, finish, None, None, None)

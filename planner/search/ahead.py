@@ -75,10 +75,9 @@ def built_ahead(tables: Sequence[CostTables], make_configs: Callable[[CostTables
     tail = list(tables[head:])
 
     def build_tail() -> list[Built]:
-        os.nice(BUILD_NICENESS)
         return [build(t, make_configs, with_items) for t in tail]
 
-    with forked(build_tail, enabled=bool(tail)) as child:
+    with forked(build_tail, enabled=bool(tail), niceness=BUILD_NICENESS) as child:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetplan-build")
         try:
             from_child = _FromChild(child)
