@@ -1,7 +1,9 @@
 """The two-step solve of a regime (planner.search.ilp.solve_bounded): the coarse frontier's plan bounds
 the full model, which then drops every item slower than it. On random heterogeneous instances at batches
 of 128 and 256 (large enough for the coarse frontier to drop items, small enough to solve whole in CI), it
-reaches the optimum of the full model solved whole, in both regimes and under a cutoff."""
+reaches the optimum of the full model solved whole, in both regimes and under a cutoff, with and without a
+least replica count (ZeRO's group), where each item is also dropped when its time plus the least sync its
+group can be charged exceeds the bound (ilp.least_sync_ns)."""
 
 from __future__ import annotations
 
@@ -24,15 +26,15 @@ def _instance(seed: int):
     return tabs, build_configs(tabs)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_the_bounded_solve_reaches_the_whole_models_optimum(seed):
+@pytest.mark.parametrize(("seed", "least"), [(seed, 1) for seed in SEEDS] + [(seed, 4) for seed in SEEDS[::3]])
+def test_the_bounded_solve_reaches_the_whole_models_optimum(seed, least):
     tabs, configs = _instance(seed)
     if not configs:
         return
     items = ilp.pareto_items(tabs, configs)
     for one_node in (False, True):
-        whole = ilp.solve_regime(tabs, configs, items, one_node, DEFAULT_SETTINGS)
-        bounded = ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS)
+        whole = ilp.solve_regime(tabs, configs, items, one_node, DEFAULT_SETTINGS, min_replicas=least)
+        bounded = ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, min_replicas=least)
         assert (whole is None) == (bounded is None)
         if whole is None:
             continue
@@ -41,9 +43,30 @@ def test_the_bounded_solve_reaches_the_whole_models_optimum(seed):
         assert bounded.configurations == len(items)
         # under a cutoff just above the optimum it is found; just below it, none is
         cut = ilp.to_ns(bounded.objective_s)
-        assert ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, cutoff_ns=cut) is not None
-        below = ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, cutoff_ns=cut - 1000)
+        assert ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, min_replicas=least,
+                                 cutoff_ns=cut) is not None
+        below = ilp.solve_bounded(tabs, configs, items, one_node, DEFAULT_SETTINGS, min_replicas=least,
+                                  cutoff_ns=cut - 1000)
         assert below is None
+
+
+def test_the_least_sync_drops_items_the_time_alone_keeps():
+    """Not vacuous: under a cutoff at the optimum, with a least replica count, the items' least sync drops
+    items whose time alone is within it, on most instances."""
+    dropped, tried = 0, 0
+    for seed in SEEDS[::3]:
+        tabs, configs = _instance(seed)
+        if not configs:
+            continue
+        items = ilp.pareto_items(tabs, configs)
+        best = ilp.solve_regime(tabs, configs, items, False, DEFAULT_SETTINGS, min_replicas=4)
+        if best is None:
+            continue
+        tried += 1
+        cut = ilp.to_ns(best.objective_s)
+        least = ilp.least_sync_ns(tabs, configs, items, False, 4)
+        dropped += any(i.time_ns <= cut < i.time_ns + sync for i, sync in zip(items, least))
+    assert tried >= 4 and dropped >= tried // 2, (dropped, tried)
 
 
 def test_the_coarse_step_is_taken_on_most_instances():
