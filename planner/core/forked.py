@@ -32,7 +32,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -114,20 +114,13 @@ def forked(fn: Callable[[], T], enabled: bool = True, niceness: int = 0) -> Iter
     pid = os.fork()
     if pid == 0:                                     # the child: compute, send, leave
         os.close(read_fd)
-        code = 0
-        try:
-            try:
-                if niceness:
-                    os.nice(niceness)
-                message = pickle.dumps((_OK, fn()))
-            except BaseException as exc:             # noqa: BLE001 - every failure goes to the parent
-                message = _raised(exc)
-            with os.fdopen(write_fd, "wb") as pipe:
-                pipe.write(message)
-        except BaseException:                        # noqa: BLE001 - unpicklable, or the parent left
-            code = 1
-        finally:
-            os._exit(code)
+
+        def compute() -> T:
+            if niceness:
+                os.nice(niceness)
+            return fn()
+
+        _answer(write_fd, compute)
     os.close(write_fd)
     child: Child[T] = Child(fn, pid, read_fd)
     try:
@@ -193,11 +186,10 @@ def forked_until(prepare: Callable[[], P], finish: Callable[[P, M], T],
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:                                     # the child: prepare, wait, finish, send, leave
-        os.close(read_fd)
-        os.close(send_fd)
-        _silence()
-        code = 0
         try:
+            os.close(read_fd)
+            os.close(send_fd)
+            _silence()
             prepared: P | None = None
             failed: BaseException | None = None
             try:
@@ -205,20 +197,17 @@ def forked_until(prepare: Callable[[], P], finish: Callable[[P, M], T],
             except BaseException as exc:             # noqa: BLE001 - raised only if a message asks
                 failed = exc
             message = _read_message(message_read_fd)
-            if message is None:                      # the parent left without asking
-                os._exit(0)
-            try:
-                if failed is not None:
-                    raise failed
-                out = pickle.dumps((_OK, finish(prepared, message)))   # type: ignore[arg-type]
-            except BaseException as exc:             # noqa: BLE001 - every failure goes to the parent
-                out = _raised(exc)
-            with os.fdopen(write_fd, "wb") as pipe:
-                pipe.write(out)
-        except BaseException:                        # noqa: BLE001 - unpicklable, or the parent left
-            code = 1
-        finally:
-            os._exit(code)
+        except BaseException:                        # noqa: BLE001 - the parent left, or Ctrl-C
+            message = None
+        if message is None:                          # nothing asked: leave
+            os._exit(0)
+
+        def finished() -> T:
+            if failed is not None:
+                raise failed
+            return finish(prepared, message)         # type: ignore[arg-type]
+
+        _answer(write_fd, finished)
     os.close(write_fd)
     os.close(message_read_fd)
     waiting: Waiting[P, M, T] = Waiting(prepare, finish, pid, read_fd, send_fd)
@@ -226,6 +215,23 @@ def forked_until(prepare: Callable[[], P], finish: Callable[[P, M], T],
         yield waiting
     finally:
         waiting.stop()
+
+
+def _answer(write_fd: int, compute: Callable[[], Any]) -> NoReturn:
+    """In a child: `compute()`'s value, or the exception it raised, pickled to the parent through
+    `write_fd`; then the child leaves by os._exit, whatever happens."""
+    code = 0
+    try:
+        try:
+            out = pickle.dumps((_OK, compute()))
+        except BaseException as exc:                 # noqa: BLE001 - every failure goes to the parent
+            out = _raised(exc)
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(out)
+    except BaseException:                            # noqa: BLE001 - unpicklable, or the parent left
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _never_asked() -> Any:
