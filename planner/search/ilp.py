@@ -28,7 +28,10 @@ over half the items are slower than the coarse plan). Under a cutoff (the best t
 the items slower than it are dropped alike. "Slower" counts the least sync the item's group can be charged
 at any replica count the model allows (`least_sync_ns`: with ZeRO's group of 8 replicas, never nothing):
 a plan using the item takes at least both. At 1024 GPUs the winning variant's full solve holds fewer items
-and took 0.7 s instead of 1.0 s; on GPT 1.5B at 32 GPUs 1.1 s instead of 1.5 s.
+and took 0.7 s instead of 1.0 s; on GPT 1.5B at 32 GPUs 1.1 s instead of 1.5 s. Without a cutoff, the best
+plan that repeats one item (`single_shape_ns`, a plan of the model) is one for both solves: the coarse solve
+at 1024 GPUs 0.5 -> 0.2 s; at 32 GPUs the items it leaves make the coarse step needless, and one solve
+under it takes 2.3 s instead of the two steps' 3.1 s.
 """
 
 from __future__ import annotations
@@ -146,6 +149,30 @@ def least_sync_ns(tables: CostTables, configs: list[Config], items: list[Item], 
     levels = [l for l, g in enumerate(grid) if g >= min_replicas]
     least = [min((at[l] for l in levels), default=0) for at in group_syncs_ns(tables, configs, groups, one_node, grid)]
     return [least[g] for g in group_of]
+
+
+def single_shape_ns(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
+                    min_replicas: int) -> int | None:
+    """The objective of the best plan that repeats one item (the replicas that serve the batch, at least
+    `min_replicas`, where the devices hold them; in one node of one class with `one_node`), as the model
+    charges it (its time and its group's sync at that count): a plan of the model, so an upper bound on
+    its optimum (None: no such plan)."""
+    B, grid = tables.global_batch, replica_grid(sum(t.num_devices for t in tables.classes))
+    groups, group_of = sync_groups(configs, items)
+    syncs = group_syncs_ns(tables, configs, groups, one_node, grid)
+    best = None
+    for item, g in zip(items, group_of):
+        c = configs[item.config]
+        replicas = max(min_replicas, -(-B // item.capacity))
+        room = {ci: (min(t.per_node, t.num_devices) if one_node else t.num_devices)
+                for ci, t in enumerate(tables.classes)}
+        if (one_node and c.stage_classes) or replicas > grid[-1] or \
+                any(replicas * c.devices_of(ci) > room[ci] for ci in set(c.classes)):
+            continue
+        level = next(l for l, top in enumerate(grid) if top >= replicas)
+        time_ns = item.time_ns + syncs[g][level]
+        best = time_ns if best is None else min(best, time_ns)
+    return best
 
 
 def replica_grid(max_replicas: int) -> list[int]:
@@ -300,21 +327,25 @@ def solve_bounded(tables: CostTables, configs: list[Config], items: list[Item], 
                   cutoff_ns: int | None = None) -> Solution | None:
     """`solve_regime` on `items`, bounded first by the plan of the coarse frontier (module docstring):
     the same optimum, the model solved at the end holding only the items that could be in it."""
-    coarse = frontier(items, configs, COARSE_STEP_FRACTION)     # of the items: its plan is one of theirs
     least_sync = least_sync_ns(tables, configs, items, one_node, min_replicas)
-    kept = [i for i, sync in zip(items, least_sync) if cutoff_ns is None or i.time_ns + sync <= cutoff_ns]
+    # without a cutoff, the best plan of one shape repeated is one (single_shape_ns): it bounds both solves
+    alone = None if cutoff_ns is not None or use_all_devices else \
+        single_shape_ns(tables, configs, items, one_node, min_replicas)
+    limit_ns = cutoff_ns if cutoff_ns is not None else alone
+    kept = [i for i, sync in zip(items, least_sync) if limit_ns is None or i.time_ns + sync <= limit_ns]
+    coarse = [i for i in frontier(items, configs, COARSE_STEP_FRACTION) if i in kept]  # its plan: one of theirs
     # under a cutoff (another variant's best) the items are bounded by it already, and a variant that
     # cannot beat it would be proved so twice; a coarse frontier not under half the items saves nothing
     first = None
     if cutoff_ns is None and 2 * len(coarse) <= len(kept):
         first = solve_regime(tables, configs, coarse, one_node, settings, use_all_devices,
-                             min_replicas=min_replicas)
+                             min_replicas=min_replicas, cutoff_ns=limit_ns)
     if first is None:
         found = solve_regime(tables, configs, kept, one_node, settings, use_all_devices,
-                             min_replicas=min_replicas, cutoff_ns=cutoff_ns)
+                             min_replicas=min_replicas, cutoff_ns=limit_ns)
     else:
         bound_ns = to_ns(first.objective_s)
-        within = [i for i, sync in zip(items, least_sync) if i.time_ns + sync <= bound_ns]    # kept: all here
+        within = [i for i, sync in zip(items, least_sync) if i.time_ns + sync <= bound_ns]
         found = solve_regime(tables, configs, within, one_node, settings,
                              use_all_devices, min_replicas=min_replicas, cutoff_ns=bound_ns, hint=first)
         found = found if found is not None and found.objective_s <= first.objective_s else first
