@@ -333,10 +333,12 @@ def solve_bounded(tables: CostTables, configs: list[Config], items: list[Item], 
         single_shape_ns(tables, configs, items, one_node, min_replicas)
     limit_ns = cutoff_ns if cutoff_ns is not None else alone
     kept = [i for i, sync in zip(items, least_sync) if limit_ns is None or i.time_ns + sync <= limit_ns]
-    coarse = [i for i in frontier(items, configs, COARSE_STEP_FRACTION) if i in kept]  # its plan: one of theirs
     # under a cutoff (another variant's best) the items are bounded by it already, and a variant that
     # cannot beat it would be proved so twice; a coarse frontier not under half the items saves nothing
     first = None
+    within_limit = {id(i) for i in kept}
+    coarse = [] if cutoff_ns is not None else \
+        [i for i in frontier(items, configs, COARSE_STEP_FRACTION) if id(i) in within_limit]  # its plan: theirs
     if cutoff_ns is None and 2 * len(coarse) <= len(kept):
         first = solve_regime(tables, configs, coarse, one_node, settings, use_all_devices,
                              min_replicas=min_replicas, cutoff_ns=limit_ns)
