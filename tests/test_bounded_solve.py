@@ -3,7 +3,7 @@ the full model, which then drops every item slower than it. On random heterogene
 of 128 and 256 (large enough for the coarse frontier to drop items, small enough to solve whole in CI), it
 reaches the optimum of the full model solved whole, in both regimes and under a cutoff, with and without a
 least replica count (ZeRO's group), where each item is also dropped when its time plus the least sync its
-group can be charged exceeds the bound (ilp.least_sync_ns)."""
+group can be charged exceeds the bound (ilp.ItemSyncs.least_ns)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_the_least_sync_drops_items_the_time_alone_keeps():
             continue
         tried += 1
         cut = ilp.to_ns(best.objective_s)
-        least = ilp.least_sync_ns(tabs, configs, items, False, 4)
+        least = ilp.ItemSyncs.of(tabs, configs, items, False).least_ns(4)
         dropped += any(i.time_ns <= cut < i.time_ns + sync for i, sync in zip(items, least))
     assert tried >= 4 and dropped >= tried // 2, (dropped, tried)
 
@@ -90,7 +90,8 @@ def test_one_shape_repeated_is_a_plan_of_the_model_that_bounds_its_optimum(seed)
     items = ilp.pareto_items(tabs, configs)
     for one_node in (False, True):
         for least in (1, 4):
-            alone = ilp.single_shape_ns(tabs, configs, items, one_node, least)
+            alone = ilp.single_shape_ns(tabs, configs, items, ilp.ItemSyncs.of(tabs, configs, items, one_node),
+                                        one_node, least)
             whole = ilp.solve_regime(tabs, configs, items, one_node, DEFAULT_SETTINGS, min_replicas=least)
             if alone is None:
                 continue
@@ -107,7 +108,7 @@ def test_one_shape_repeated_is_near_the_optimum_on_most_instances():
         if not configs:
             continue
         items = ilp.pareto_items(tabs, configs)
-        alone = ilp.single_shape_ns(tabs, configs, items, False, 1)
+        alone = ilp.single_shape_ns(tabs, configs, items, ilp.ItemSyncs.of(tabs, configs, items, False), False, 1)
         best = ilp.solve_bounded(tabs, configs, items, False, DEFAULT_SETTINGS)   # the whole model's optimum
         if alone is None or best is None:
             continue

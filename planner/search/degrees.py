@@ -252,12 +252,11 @@ def sync_bound_s(tables: CostTables, configs: list[Config], items: list[ilp.Item
                  min_replicas: int) -> float:
     """bounds.sync_bound_s over the variant's items, with each sync group's time per replica level as the
     CP-SAT model charges it, in the regimes it solves (ilp.solve_regimes)."""
-    groups, group_of = ilp.sync_groups(configs, items)
-    grid = ilp.replica_grid(sum(c.num_devices for c in tables.classes))
     regimes = [False] if options.use_all_devices else [False, True]
-    syncs = {one: ilp.group_syncs_ns(tables, configs, groups, one, grid) for one in regimes}
-    return bounds.sync_bound_s(tables, configs, [(i.config, i.time_ns, i.capacity) for i in items], group_of,
-                               syncs, grid, min_replicas)
+    syncs = {one: ilp.ItemSyncs.of(tables, configs, items, one) for one in regimes}
+    return bounds.sync_bound_s(tables, configs, [(i.config, i.time_ns, i.capacity) for i in items],
+                               syncs[False].group_of, {one: s.at_ns for one, s in syncs.items()},
+                               syncs[False].grid, min_replicas)
 
 
 def _taken(solving: tuple[dict[str, float | int | str], Variant, float, Future[list[Solution]]],

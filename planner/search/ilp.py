@@ -26,7 +26,7 @@ the full frontier less every item slower than U, which no plan faster than U can
 least each used item's time). The optimum is the full model's, at a fraction of its solve (at 1024 GPUs
 over half the items are slower than the coarse plan). Under a cutoff (the best time of another variant)
 the items slower than it are dropped alike. "Slower" counts the least sync the item's group can be charged
-at any replica count the model allows (`least_sync_ns`: with ZeRO's group of 8 replicas, never nothing):
+at any replica count the model allows (`ItemSyncs.least_ns`: with ZeRO's group of 8 replicas, never nothing):
 a plan using the item takes at least both. At 1024 GPUs the winning variant's full solve holds fewer items
 and took 0.7 s instead of 1.0 s; on GPT 1.5B at 32 GPUs 1.1 s instead of 1.5 s. Without a cutoff, the best
 plan that repeats one item (`single_shape_ns`, a plan of the model) is one for both solves: the coarse solve
@@ -140,37 +140,51 @@ def group_syncs_ns(tables: CostTables, configs: list[Config], groups: list[SyncK
     return out
 
 
-def least_sync_ns(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
-                  min_replicas: int) -> list[int]:
-    """Per item, the least sync its group is charged at any replica count the model allows (at least
-    `min_replicas`): a plan using the item takes at least its time plus that."""
-    grid = replica_grid(sum(t.num_devices for t in tables.classes))
-    groups, group_of = sync_groups(configs, items)
-    levels = [l for l, g in enumerate(grid) if g >= min_replicas]
-    least = [min((at[l] for l in levels), default=0) for at in group_syncs_ns(tables, configs, groups, one_node, grid)]
-    return [least[g] for g in group_of]
+def tables_grid(tables: CostTables) -> list[int]:
+    """The replica grid the model charges sync on: up to a replica on every device (unit) of the tables."""
+    return replica_grid(sum(t.num_devices for t in tables.classes))
 
 
-def single_shape_ns(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool,
-                    min_replicas: int) -> int | None:
+@dataclass(frozen=True)
+class ItemSyncs:
+    """Items' sync groups in one regime, and each group's sync at each level of the replica grid, as the
+    model charges it (made once for the bounds that read it: `least_ns`, `single_shape_ns`, bounds)."""
+
+    grid: list[int]
+    group_of: list[int]          # per item, its group
+    at_ns: list[list[int]]       # per group, per level of `grid`
+
+    @staticmethod
+    def of(tables: CostTables, configs: list[Config], items: list[Item], one_node: bool) -> ItemSyncs:
+        grid = tables_grid(tables)
+        groups, group_of = sync_groups(configs, items)
+        return ItemSyncs(grid, group_of, group_syncs_ns(tables, configs, groups, one_node, grid))
+
+    def least_ns(self, min_replicas: int) -> list[int]:
+        """Per item, the least sync its group is charged at any replica count the model allows (at least
+        `min_replicas`): a plan using the item takes at least its time plus that."""
+        levels = [l for l, g in enumerate(self.grid) if g >= min_replicas]
+        least = [min((at[l] for l in levels), default=0) for at in self.at_ns]
+        return [least[g] for g in self.group_of]
+
+
+def single_shape_ns(tables: CostTables, configs: list[Config], items: list[Item], syncs: ItemSyncs,
+                    one_node: bool, min_replicas: int) -> int | None:
     """The objective of the best plan that repeats one item (the replicas that serve the batch, at least
     `min_replicas`, where the devices hold them; in one node of one class with `one_node`), as the model
-    charges it (its time and its group's sync at that count): a plan of the model, so an upper bound on
-    its optimum (None: no such plan)."""
-    B, grid = tables.global_batch, replica_grid(sum(t.num_devices for t in tables.classes))
-    groups, group_of = sync_groups(configs, items)
-    syncs = group_syncs_ns(tables, configs, groups, one_node, grid)
+    charges it (its time and its group's sync at that count, `syncs` of that regime): a plan of the model,
+    so an upper bound on its optimum (None: no such plan)."""
+    B, grid = tables.global_batch, syncs.grid
+    room = {ci: (min(t.per_node, t.num_devices) if one_node else t.num_devices) for ci, t in enumerate(tables.classes)}
     best = None
-    for item, g in zip(items, group_of):
+    for item, g in zip(items, syncs.group_of):
         c = configs[item.config]
         replicas = max(min_replicas, -(-B // item.capacity))
-        room = {ci: (min(t.per_node, t.num_devices) if one_node else t.num_devices)
-                for ci, t in enumerate(tables.classes)}
         if (one_node and c.stage_classes) or replicas > grid[-1] or \
                 any(replicas * c.devices_of(ci) > room[ci] for ci in set(c.classes)):
             continue
         level = next(l for l, top in enumerate(grid) if top >= replicas)
-        time_ns = item.time_ns + syncs[g][level]
+        time_ns = item.time_ns + syncs.at_ns[g][level]
         best = time_ns if best is None else min(best, time_ns)
     return best
 
@@ -327,10 +341,11 @@ def solve_bounded(tables: CostTables, configs: list[Config], items: list[Item], 
                   cutoff_ns: int | None = None) -> Solution | None:
     """`solve_regime` on `items`, bounded first by the plan of the coarse frontier (module docstring):
     the same optimum, the model solved at the end holding only the items that could be in it."""
-    least_sync = least_sync_ns(tables, configs, items, one_node, min_replicas)
+    syncs = ItemSyncs.of(tables, configs, items, one_node)
+    least_sync = syncs.least_ns(min_replicas)
     # without a cutoff, the best plan of one shape repeated is one (single_shape_ns): it bounds both solves
     alone = None if cutoff_ns is not None or use_all_devices else \
-        single_shape_ns(tables, configs, items, one_node, min_replicas)
+        single_shape_ns(tables, configs, items, syncs, one_node, min_replicas)
     limit_ns = cutoff_ns if cutoff_ns is not None else alone
     kept = [i for i, sync in zip(items, least_sync) if limit_ns is None or i.time_ns + sync <= limit_ns]
     # under a cutoff (another variant's best) the items are bounded by it already, and a variant that
