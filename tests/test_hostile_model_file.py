@@ -9,7 +9,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,19 +92,26 @@ def test_the_timeout_is_not_a_limit_on_code_that_returns(tmp_path: Path) -> None
         assert any(n.op == "output" for n in gm.graph.nodes) and inputs
 
 
+@contextmanager
+def _sigint_handled_by(handler: Any) -> Iterator[None]:
+    """SIGINT's disposition set to `handler` in the body, the one before it put back after."""
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture
 def sigint_reaches_main() -> Iterator[None]:
     """A Ctrl-C test runs as from a terminal: SIGINT with Python's handler, not blocked in the main thread.
     A suite started as a background job of a script (`pytest &` where the shell has no job control)
     inherits SIGINT ignored, which `plan` then keeps ignoring as it should (the test below): the three Ctrl-C
-    tests failed so once. The inherited disposition is put back after the test."""
-    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    try:
+    tests failed so once."""
+    with _sigint_handled_by(signal.default_int_handler):
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         assert signal.SIGINT not in blocked, f"SIGINT is blocked in the main thread ({sorted(blocked)})"
         yield
-    finally:
-        signal.signal(signal.SIGINT, inherited)
 
 
 def _send_sigint_after(delay_s: float) -> threading.Timer:
@@ -176,13 +185,13 @@ def test_ctrl_c_while_the_model_file_runs_is_the_users_interrupt(capfd, tmp_path
 
 
 def test_a_plan_started_with_sigint_ignored_keeps_ignoring_it(capfd, tmp_path: Path, monkeypatch) -> None:
-    """`nohup plan ...` or `plan ... &` from a script: SIGINT ignored from the start stays ignored, in the
+    """`plan ... &` from a script without job control: SIGINT ignored from the start stays ignored, in the
     model file's code (which would otherwise take it as the user's Ctrl-C) and in the planner's own (the
     search). The signals are sent from inside each, so they land there."""
     from ortools.sat.python import cp_model
 
     model = write(tmp_path, "signals.py", HEADER + "import signal\nsignal.raise_signal(signal.SIGINT)\n"
-                  "time.sleep(0.05)\n" + LINEAR + BATCH)
+                  + LINEAR + BATCH)
     real_solve = cp_model.CpSolver.solve
     sent: list[bool] = []
 
@@ -193,12 +202,9 @@ def test_a_plan_started_with_sigint_ignored_keeps_ignoring_it(capfd, tmp_path: P
         return real_solve(self, *args, **kwargs)
 
     monkeypatch.setattr(cp_model.CpSolver, "solve", interrupted_solve)
-    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        code, out, err = run_cli(capfd, [model, "--cluster", CPU4, "-o", tmp_path / "out"], max_s=60)
+    with _sigint_handled_by(signal.SIG_IGN):
+        code, _, err = run_cli(capfd, [model, "--cluster", CPU4, "-o", tmp_path / "out"], max_s=60)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, inherited)
     assert sent, "the search never solved a model"
     assert code == 0, (code, err[-500:])
     assert (tmp_path / "out" / "plan.json").exists()
