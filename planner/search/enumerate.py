@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 
 from costmodel.tables import CostTables
@@ -102,7 +101,10 @@ def shape_room(configs: list[candidates.Config], items: list[Item], shape: Shape
 
 
 def split_families(configs: list[candidates.Config], items: list[Item]) -> list[frozenset[tuple[int, ...]]]:
-    """Maximal sets of splits that may be used together (pairwise nested cuts, planner.search.align)."""
+    """Maximal sets of splits that may be used together (pairwise nested cuts, planner.search.align). Only
+    the exact strategy asks: networkx is imported here, not by every `plan` (0.18 s of its start-up)."""
+    import networkx as nx
+
     splits = sorted({configs[it.config].split.bounds for it in items}, key=lambda b: (len(b), b))
     graph = nx.Graph()
     graph.add_nodes_from(range(len(splits)))
