@@ -49,7 +49,8 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     count one split shared by the classes where it fits (aligned gradient groups, planner.search.align);
     and pipelines whose stages span two classes (planner.search.hetero). Each runs 1F1B and, as far as
     its memory holds GPipe's micro-batches, GPipe, and where its devices hold it, interleaved 1F1B on a half
-    or a quarter of its devices (`schedule`: "auto" all of them, else that one only)."""
+    or a quarter of its devices (`schedule`: "auto" all of them, else that one only; "interleaved" lets its
+    devices recompute where they must, planner.search.interleave_configs)."""
     micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(tables.global_batch)
     by_stages: dict[int, list[int]] = {}
     for ci, table in enumerate(tables.classes):
@@ -75,7 +76,7 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
     # each configuration's stages: which gradient compressors' state fits beside their peak memory
     scheduled = schedules.with_schedules(tables, configs, schedule) if schedule != "interleaved" else []
     if schedule in ("auto", "interleaved"):
-        scheduled += with_interleaved(tables, configs, fixed_stages, micro_options)
+        scheduled += with_interleaved(tables, configs, fixed_stages, micro_options, recompute=schedule == "interleaved")
     configs = with_compressor_room(tables, scheduled)
     return sorted(configs, key=lambda c: (c.cls, c.num_stages, c.micro_batch, c.classes, c.schedule != "1f1b",
                                           c.schedule, c.chunks))

@@ -5,7 +5,8 @@ as planner.search.degrees prices a degree) and ZeRO group, estimated by baseline
 baselines' fixed layouts are. The caller assembles the solution with the one `assemble()`.
 
 Nothing is chosen here that the layout says; what it leaves out gets the defaults the frontend states.
-Stages recompute exactly where their activations do not fit otherwise (as the search's splits do).
+Stages recompute exactly where their activations do not fit otherwise (as the search's splits do; under
+interleaved 1F1B, every stage of a device that does not fit otherwise, planner.search.interleave_configs).
 A stage that does not fit even so is no error here: the plan records its memory, and the caller reports
 it (`overs`).
 

@@ -8,8 +8,15 @@ node where the D devices are. Memory is checked per device afterwards: its v sta
 the activations the interleaved schedule keeps in flight on it, its warm-up of (v - 1) rounds and
 2 (D - 1 - d) forwards (planner.core.schedule), each with the activations of the stage that ran it. The
 gradient groups are the K stages'; the ILP keeps splits that do not nest apart (planner.search.align).
-Stages do not recompute here, nor compress their gradients (one rank then runs several gradient groups,
-which the compressors' state is not priced for).
+
+Where interleaving is asked for (`--schedule interleaved`, and a layout the user gives), a device whose
+stages do not fit so recomputes all of them (Megatron's full recompute inside interleaved pipelines; the
+open search offers no such twin, see `with_interleaved`): each micro-batch in flight then keeps only its
+stage input, and one micro-batch's activations are rebuilt during its backward, at a second forward's time.
+Recompute is decided per device, not per stage: a device's in-flight micro-batches are its chunks' together,
+so what fits is the device's. The split is the one made without recompute (the devices that recompute are
+slower by their second forwards; the bottleneck split does not see that). Stages do not compress their
+gradients here (one rank then runs several gradient groups, which the compressors' state is not priced for).
 """
 
 from __future__ import annotations
@@ -37,12 +44,18 @@ def device_splits(stages: int) -> list[tuple[int, int]]:
 
 
 def with_interleaved(tables: CostTables, configs: list[Config], fixed_stages: int | None = None,
-                     micro_options: Sequence[int] = ()) -> list[Config]:
+                     micro_options: Sequence[int] = (), recompute: bool = False) -> list[Config]:
     """For each single-class 1F1B pipeline of D >= 2 devices (class, depth, micro-batch size),
     its interleaved twins with v of CHUNK_OPTIONS stages per device, where the blocks are enough for v D
     stages and every device holds its stages; with `fixed_stages` K (`--stages`: the pipeline's stages),
     those of K stages on K / v devices instead, at each of `micro_options` (K may exceed the devices, so
-    that no 1F1B pipeline of K stages exists)."""
+    that no 1F1B pipeline of K stages exists). With `recompute` (interleaving asked for: `--schedule
+    interleaved`), a device that holds its stages only so recomputes them.
+
+    The open search offers no recomputing twin: a model whose pipelines must recompute makes nearly every
+    1F1B shape a parent of one, and walking their schedules (planner.search.interleave) at every count made
+    the search at 1024 GPUs five times slower (Llama-2-70B, 2.7 -> 13-15 s), for twins that pay a second
+    forward on every stage of a device to shorten a fill."""
     if compression_of(tables).compresses_gradients:
         return []
     twins = []
@@ -55,17 +68,18 @@ def with_interleaved(tables: CostTables, configs: list[Config], fixed_stages: in
                   if d <= table.num_devices}
     for cls, devices, micro_batch, chunks in shapes:
         if devices * chunks <= tables.num_blocks:
-            twin = interleaved(tables, cls, devices, chunks, micro_batch)
+            twin = interleaved(tables, cls, devices, chunks, micro_batch, recompute=recompute)
             if twin is not None:
                 twins.append(twin)
     return twins
 
 
 def interleaved(tables: CostTables, cls: int, devices: int, chunks: int, micro_batch: int,
-                bounds: tuple[int, ...] | None = None) -> Config | None:
+                bounds: tuple[int, ...] | None = None, recompute: bool = True) -> Config | None:
     """Class `cls`'s blocks in `devices` x `chunks` stages on `devices` devices under interleaved 1F1B: the
-    best split, where every device holds its stages (else None); or the split `bounds` given, as it is
-    (a layout the user wrote: what does not fit is reported with the plan, planner.search.given)."""
+    best split, where every device holds its stages (else None), the devices that hold them only so
+    recomputing (none without `recompute`); or the split `bounds` given, as it is (a layout the user wrote:
+    what does not fit even recomputing is reported with the plan, planner.search.given)."""
     table, K = tables.classes[cls], devices * chunks
     links = device_cuts(table, tables, devices, K)
     given = bounds is not None
@@ -75,10 +89,14 @@ def interleaved(tables: CostTables, cls: int, devices: int, chunks: int, micro_b
         if best is None:
             return None
         bounds = best.bounds
-    split = costs_per_stage([table] * K, bounds, micro_batch, links, tables.grad_bytes, recompute=False)
-    need = device_need_bytes(table, split.bounds, micro_batch, devices, chunks)
+    plain = device_need_bytes(table, bounds, micro_batch, devices, chunks)
+    recomputing = tuple(recompute and not memory.fits(n, table.capacity_bytes) for n in plain)   # per device
+    need = device_need_bytes(table, bounds, micro_batch, devices, chunks, recomputing) if any(recomputing) \
+        else plain
     if not given and not all(memory.fits(n, table.capacity_bytes) for n in need):
         return None
+    split = costs_per_stage([table] * K, bounds, micro_batch, links, tables.grad_bytes,
+                            recompute=tuple(recomputing[k % devices] for k in range(K)))
     split = dataclasses.replace(split, stage_memory_bytes=tuple(need[k % devices] for k in range(K)), optimal=True)
     optimizer_s = max(sum(table.optimizer_s[b] for k in range(d, K, devices)
                           for b in range(split.bounds[k], split.bounds[k + 1])) for d in range(devices))
@@ -100,16 +118,22 @@ def device_cuts(table: ClassTable, tables: CostTables, devices: int, stages: int
 
 
 def device_need_bytes(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, devices: int,
-                      chunks: int) -> list[float]:
+                      chunks: int, recomputing: tuple[bool, ...] | None = None) -> list[float]:
     """Per device: its stages' training state, the most activations the interleaved schedule keeps on it at
     once (its stages' kept bytes per micro-batch in flight, counted action by action), one micro-batch's
-    backward working set (its largest stage's) and the framework's memory."""
+    backward working set (its largest stage's) and the framework's memory. A device of `recomputing` keeps
+    its stage input per micro-batch in flight instead (the largest boundary, as split.costs_per_stage), and
+    one micro-batch's activations of its largest stage while that one is recomputed (costmodel.memory)."""
     K = devices * chunks
     acts = [sum(table.act_bytes[bounds[k]:bounds[k + 1]]) * micro_batch for k in range(K)]
+    stage_input = max(table.boundary_bytes) * micro_batch
     out = []
     for d, counts in enumerate(in_flight_counts(devices, chunks)):
-        peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(vector)) for vector in counts)
         own = range(d, K, devices)
+        if recomputing is not None and recomputing[d]:
+            peak = max(sum(vector) for vector in counts) * stage_input + max(acts[k] for k in own)
+        else:
+            peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(vector)) for vector in counts)
         state = sum(sum(table.state_bytes[bounds[k]:bounds[k + 1]]) for k in own)
         working = max(stage_transient_bytes(table, bounds[k], bounds[k + 1]) for k in own) * micro_batch
         out.append(memory.need_bytes(state, peak + working, table.framework_bytes))

@@ -138,9 +138,10 @@ def stage_costs(table: ClassTable, bounds: tuple[int, ...], micro_batch: int, li
 
 
 def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], micro_batch: int, links: Links,
-                    grad_bytes: tuple[float, ...], recompute: bool) -> Split:
+                    grad_bytes: tuple[float, ...], recompute: bool | tuple[bool, ...]) -> Split:
     """Evaluate a given split with stage s costed on stage_tables[s] (one device class per stage);
-    with `recompute`, the stages whose activations do not fit their memory otherwise recompute."""
+    with `recompute`, the stages whose activations do not fit their memory otherwise recompute; given per
+    stage, exactly those stages (interleaved 1F1B decides per device, planner.search.interleave_configs)."""
     S = len(bounds) - 1
     mems, grads, fwds, bwds, sends, recomputes, codecs = [], [], [], [], [], [], []
     stage_input: dict[int, float] = {}      # per table: the largest boundary (what recompute keeps)
@@ -150,7 +151,8 @@ def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], mic
         working = stage_transient_bytes(table, lo, hi)
         mem = memory.need_bytes(state, memory.kept_activation_bytes(act, 0.0, working, micro_batch, S - s, False),
                                 table.framework_bytes)
-        stage_recompute = recompute and not memory.fits(mem, table.capacity_bytes)
+        stage_recompute = recompute[s] if isinstance(recompute, tuple) else \
+            recompute and not memory.fits(mem, table.capacity_bytes)
         if stage_recompute:
             largest = stage_input.setdefault(id(table), max(table.boundary_bytes))
             mem = memory.need_bytes(state, memory.kept_activation_bytes(act, largest, working, micro_batch, S - s,
