@@ -160,6 +160,8 @@ ROUND_TRIPS = {
     "hetero-uneven": (MLP, HETERO, {"use_all_devices": True}),
     "tp2": (GPT, CPU4, {"tp": 2}),
     "interleaved": (GPT, CPU4, {"schedule": "interleaved", "stages": 4}),
+    # every device, all in one node: the search charges the sync on the node's link, as the plan runs it
+    "all-devices-one-node": (GPT, CPU4, {"use_all_devices": True, "stages": 2}),
 }
 
 

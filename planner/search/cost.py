@@ -50,7 +50,7 @@ def solve_cost(tables: CostTables, configs: list[candidates.Config], settings: S
     t_star_ns = round(fastest[0].objective_s * NS_PER_S)
     candidates = list(fastest)
     for factor in TIME_LADDER:
-        for one_node in ([False] if use_all_devices else [False, True]):
+        for one_node in ilp.regimes(tables, use_all_devices):
             found = ilp.solve_regime(tables, configs, items, one_node, settings, use_all_devices,
                                       max_time_ns=math.ceil(t_star_ns * factor), min_replicas=min_replicas)
             if found is not None:

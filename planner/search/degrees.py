@@ -252,8 +252,7 @@ def sync_bound_s(tables: CostTables, configs: list[Config], items: list[ilp.Item
                  min_replicas: int) -> float:
     """bounds.sync_bound_s over the variant's items, with each sync group's time per replica level as the
     CP-SAT model charges it, in the regimes it solves (ilp.solve_regimes)."""
-    regimes = [False] if options.use_all_devices else [False, True]
-    syncs = {one: ilp.ItemSyncs.of(tables, configs, items, one) for one in regimes}
+    syncs = {one: ilp.ItemSyncs.of(tables, configs, items, one) for one in ilp.regimes(tables, options.use_all_devices)}
     return bounds.sync_bound_s(tables, configs, [(i.config, i.time_ns, i.capacity) for i in items],
                                syncs[False].group_of, {one: s.at_ns for one, s in syncs.items()},
                                syncs[False].grid, min_replicas)

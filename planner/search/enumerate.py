@@ -213,7 +213,7 @@ def _solve_family(tables: CostTables, configs: list[candidates.Config], items: l
 
     found: tuple[int, int, int, bool, np.ndarray] | None = None   # (objective, pipe, sync, one_node, counts)
     examined = 0
-    for one_node in ([False] if use_all_devices else [False, True]):
+    for one_node in ilp.regimes(tables, use_all_devices):
         link_of: dict[int, list[int]] = {}
         for h, shape in enumerate(shapes):
             t = tables.classes[shape[0]]

@@ -313,6 +313,16 @@ def solve_regime(tables: CostTables, configs: list[Config], items: list[Item], o
                     status=solver.status_name(status), configurations=len(items), one_node=one_node)
 
 
+def regimes(tables: CostTables, use_all_devices: bool) -> list[bool]:
+    """The topology regimes a plan may take (`one_node`: False, replicas spread over the network; True, all
+    in one node). A plan that uses every device is in one node only where every device is in one node of one
+    class; there its gradient sync runs on the node's link, not the network's."""
+    if not use_all_devices:
+        return [False, True]
+    used = [t for t in tables.classes if t.num_devices]
+    return [False, True] if len(used) == 1 and used[0].num_devices <= used[0].per_node else [False]
+
+
 def solve(tables: CostTables, configs: list[Config], settings: SolverSettings = DEFAULT_SETTINGS,
           use_all_devices: bool = False) -> Solution | None:
     """Best plan over two topology regimes: replicas spread over the network, or inside one node."""
@@ -328,11 +338,10 @@ def solve_regimes(tables: CostTables, configs: list[Config], settings: SolverSet
     items = pareto_items(tables, configs) if items is None else items
     if not items:
         return []
-    regimes = [False] if use_all_devices else [False, True]
     cutoff_ns = None if cutoff_s is None or cutoff_s == float("inf") else to_ns(cutoff_s)
     found = [s for s in (solve_bounded(tables, configs, items, one, settings, use_all_devices,
                                        min_replicas=min_replicas, cutoff_ns=cutoff_ns)
-                         for one in regimes) if s is not None]
+                         for one in regimes(tables, use_all_devices)) if s is not None]
     return sorted(found, key=lambda s: (s.objective_s, s.one_node))
 
 
