@@ -92,16 +92,23 @@ class Run:
 def start_run(planned, tmp_path) -> Iterator:
     runs: list[Run] = []
 
-    def start(*args: str, steps: int = LONG_RUN_STEPS, out: Path | None = None) -> Run:
+    def start(*args: str, steps: int = LONG_RUN_STEPS, out: Path | None = None,
+              sigint: signal.Handlers = signal.SIG_DFL) -> Run:
+        """`plan run` of a copy of the plan, started with SIGINT's disposition `sigint` (not the suite's own:
+        a suite started in the background of a shell without job control has SIGINT ignored)."""
         if out is None:
             out = tmp_path / "out"
             shutil.copytree(planned[0], out)
         marker = uuid.uuid4().hex
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, MARKER: marker, "PYTHONPATH": path}
-        proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps), *args],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                                start_new_session=True)
+        previous = signal.signal(signal.SIGINT, sigint)      # inherited by the child across exec
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps),
+                                     *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                    cwd=REPO, start_new_session=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         runs.append(Run(proc, out, marker))
         return runs[-1]
 
@@ -125,9 +132,19 @@ def _stderr_lines(run: Run, timeout_s: float = 60) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_sigterm_or_sigint_to_plan_run_stops_torchrun_and_every_worker(start_run, planned, sig):
-    run = start_run()
-    run.wait_until_training(planned[1].world_size)
-    assert len(run.processes()) == planned[1].world_size + 2          # plan run, torchrun, the workers
+    # started with SIGINT ignored, SIGTERM's run keeps ignoring it, as a background job of a shell does
+    run = start_run(sigint=signal.SIG_IGN if sig == signal.SIGTERM else signal.SIG_DFL)
+    world = planned[1].world_size
+    run.wait_until_training(world)
+    assert len(run.processes()) == world + 2          # plan run, torchrun, the workers
+    if sig == signal.SIGTERM:
+        run.proc.send_signal(signal.SIGINT)
+        logged = len(read_metrics(run.out / "run" / "metrics.jsonl"))
+        deadline = time.monotonic() + START_TIMEOUT_S      # two more steps of every rank after the SIGINT
+        while len(read_metrics(run.out / "run" / "metrics.jsonl")) < logged + 2 * world:
+            assert run.proc.poll() is None and time.monotonic() < deadline, "the ignored SIGINT stopped the run"
+            time.sleep(0.2)
+        assert len(run.processes()) == world + 2
     run.proc.send_signal(sig)
     assert run.gone_within(SURVIVE_S) == {}
     lines = _stderr_lines(run)

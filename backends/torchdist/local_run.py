@@ -297,9 +297,12 @@ def _start_up(progress: Progress | None, world_size: int, run_dir: Path) -> Call
 
 def _wait(proc: subprocess.Popen, received: list[int], polls: Sequence[Callable[[], None]] = ()) -> int:
     """Wait for torchrun, passing SIGTERM / SIGINT on; kill it GRACE_S after the first one. The signals
-    received are appended to `received`; each of `polls` is called between polls, in order."""
+    received are appended to `received`; each of `polls` is called between polls, in order. A SIGINT this
+    process inherited ignored stays ignored (a background job of a shell without job control is started so,
+    that a Ctrl-C meant for the foreground spares it), as `plan` keeps it (planner.core.interrupts)."""
     forwarder = _Forwarder(proc.pid)
-    previous = {s: signal.signal(s, forwarder) for s in (signal.SIGTERM, signal.SIGINT)}
+    handled = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+    previous = {s: signal.signal(s, forwarder) for s in handled}
     try:
         while True:
             try:
