@@ -125,18 +125,20 @@ def device_need_bytes(table: ClassTable, bounds: tuple[int, ...], micro_batch: i
     its stage input per micro-batch in flight instead (the largest boundary, as split.costs_per_stage), and
     one micro-batch's activations of its largest stage while that one is recomputed (costmodel.memory)."""
     K = devices * chunks
-    acts = [sum(table.act_bytes[bounds[k]:bounds[k + 1]]) * micro_batch for k in range(K)]
-    stage_input = max(table.boundary_bytes) * micro_batch
+    kept = [sum(table.act_bytes[bounds[k]:bounds[k + 1]]) for k in range(K)]       # per sample
+    acts = [a * micro_batch for a in kept]
     out = []
     for d, counts in enumerate(in_flight_counts(devices, chunks)):
         own = range(d, K, devices)
-        if recomputing is not None and recomputing[d]:
-            peak = max(sum(vector) for vector in counts) * stage_input + max(acts[k] for k in own)
+        working = max(stage_transient_bytes(table, bounds[k], bounds[k + 1]) for k in own)
+        if recomputing is not None and recomputing[d]:      # the one rule of a recomputing stage's activations
+            activations = memory.kept_activation_bytes(max(kept[k] for k in own), max(table.boundary_bytes), working,
+                                                       micro_batch, max(sum(v) for v in counts), True)
         else:
             peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(vector)) for vector in counts)
+            activations = peak + working * micro_batch
         state = sum(sum(table.state_bytes[bounds[k]:bounds[k + 1]]) for k in own)
-        working = max(stage_transient_bytes(table, bounds[k], bounds[k + 1]) for k in own) * micro_batch
-        out.append(memory.need_bytes(state, peak + working, table.framework_bytes))
+        out.append(memory.need_bytes(state, activations, table.framework_bytes))
     return out
 
 
