@@ -5,10 +5,12 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,17 @@ EXAMPLES = REPO / "examples"
 CLUSTERS = EXAMPLES / "clusters"
 SHARED_CLUSTERS = REPO.parent / "shared" / "clusters"
 BENCHMARKS = REPO / "benchmarks"
+
+
+@contextmanager
+def sigint_handled_by(handler: Any) -> Iterator[None]:
+    """SIGINT's disposition set to `handler` in the body (a child started there inherits SIG_IGN or SIG_DFL
+    across exec), the one before it put back after."""
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def import_benchmark(name: str) -> Any:

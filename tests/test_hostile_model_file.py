@@ -9,16 +9,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from planner.core import interrupts
 from planner.core.errors import ModelFileError
 from planner.frontend import load_model_file, trace_model
-from tests.helpers import CLUSTERS, EXAMPLES
+from tests.helpers import CLUSTERS, EXAMPLES, sigint_handled_by
 from tests.hostile import CPU4, assert_one_line, run_cli, write
 
 HEADER = "import sys, time\nimport torch\nfrom torch import nn\n"
@@ -92,23 +90,13 @@ def test_the_timeout_is_not_a_limit_on_code_that_returns(tmp_path: Path) -> None
         assert any(n.op == "output" for n in gm.graph.nodes) and inputs
 
 
-@contextmanager
-def _sigint_handled_by(handler: Any) -> Iterator[None]:
-    """SIGINT's disposition set to `handler` in the body, the one before it put back after."""
-    before = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-
-
 @pytest.fixture
 def sigint_reaches_main() -> Iterator[None]:
     """A Ctrl-C test runs as from a terminal: SIGINT with Python's handler, not blocked in the main thread.
     A suite started as a background job of a script (`pytest &` where the shell has no job control)
     inherits SIGINT ignored, which `plan` then keeps ignoring as it should (the test below): the three Ctrl-C
     tests failed so once."""
-    with _sigint_handled_by(signal.default_int_handler):
+    with sigint_handled_by(signal.default_int_handler):
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         assert signal.SIGINT not in blocked, f"SIGINT is blocked in the main thread ({sorted(blocked)})"
         yield
@@ -202,7 +190,7 @@ def test_a_plan_started_with_sigint_ignored_keeps_ignoring_it(capfd, tmp_path: P
         return real_solve(self, *args, **kwargs)
 
     monkeypatch.setattr(cp_model.CpSolver, "solve", interrupted_solve)
-    with _sigint_handled_by(signal.SIG_IGN):
+    with sigint_handled_by(signal.SIG_IGN):
         code, _, err = run_cli(capfd, [model, "--cluster", CPU4, "-o", tmp_path / "out"], max_s=60)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     assert sent, "the search never solved a model"

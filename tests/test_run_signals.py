@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from planner.core.ir import Plan
-from tests.helpers import CLUSTERS, EXAMPLES, REPO, read_metrics, run_plan_cli
+from tests.helpers import CLUSTERS, EXAMPLES, REPO, read_metrics, run_plan_cli, sigint_handled_by
 
 MLP = EXAMPLES / "mlp" / "model.py"
 SURVIVE_S = 10.0              # no process of the run may outlive its launcher by more
@@ -102,13 +102,10 @@ def start_run(planned, tmp_path) -> Iterator:
         marker = uuid.uuid4().hex
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, MARKER: marker, "PYTHONPATH": path}
-        previous = signal.signal(signal.SIGINT, sigint)      # inherited by the child across exec
-        try:
+        with sigint_handled_by(sigint):
             proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "run", str(out), "--steps", str(steps),
                                      *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                                     cwd=REPO, start_new_session=True)
-        finally:
-            signal.signal(signal.SIGINT, previous)
         runs.append(Run(proc, out, marker))
         return runs[-1]
 
