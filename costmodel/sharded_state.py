@@ -25,6 +25,14 @@ def moment_bytes(state_bytes: float, precision: str) -> float:
     return state_bytes * ADAMW_MOMENT_FACTOR / factor
 
 
+def optimizer_part_bytes(state_bytes: float, precision: str, group: int) -> float:
+    """The AdamW moments' part of a training state priced at ZeRO group `group` (`at_group`: every rank
+    keeps its weights and gradients whole and 1/group of the moments)."""
+    whole = C.ADAMW_STATE_FACTOR + (C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if precision != "fp32" else 0.0)
+    moments = ADAMW_MOMENT_FACTOR / max(group, 1)
+    return state_bytes * moments / (whole - ADAMW_MOMENT_FACTOR + moments)
+
+
 def allgather_s(nbytes: float, ranks: int, bandwidth_bytes_s: float, latency_s: float) -> float:
     """Ring all-gather of a buffer of `nbytes` whose parts live on `ranks` ranks: (n-1)/n of it moves."""
     if ranks <= 1 or nbytes <= 0:

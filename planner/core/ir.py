@@ -65,6 +65,13 @@ class StagePlan:
     tp_devices: tuple[int, ...] = field(default=(), metadata=OPTIONAL)        # their devices, as `device`
     tp_device_labels: tuple[str, ...] = field(default=(), metadata=OPTIONAL)  # and labels, as `device_label`
     shard_param_bytes: float = field(default=0.0, metadata=OPTIONAL)   # fp32 parameter bytes one shard holds
+    # `memory_bytes` as the search priced it, per rank of the stage (under interleaved 1F1B its device's, all
+    # its stages together): the training state (weights, gradients, optimizer state, as sharded by tensor
+    # parallelism and ZeRO), of which the optimizer state, and the activations kept at the schedule's peak;
+    # the rest of `memory_bytes` is the framework's. 0: not recorded (plans written before them)
+    state_bytes: float = field(default=0.0, metadata=OPTIONAL)
+    optimizer_bytes: float = field(default=0.0, metadata=OPTIONAL)
+    activation_bytes: float = field(default=0.0, metadata=OPTIONAL)
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from costmodel import compression, compute, memory
+from costmodel import compression, compute, memory, sharded_state
 from costmodel.tables import CostTables, output_bytes
 from planner.core.blocks import Block
 from planner.core.cluster import ClusterSpec, Device
@@ -151,6 +151,19 @@ def _trim(replicas: list[_Replica], global_batch: int) -> None:
         excess -= 1
 
 
+def _priced_parts(tables: CostTables, cfg: Config, s: int, need_bytes: float) -> tuple[float, float, float]:
+    """Of stage `s`'s priced need (its device's, before compressor state): the training state of its
+    device's stages (one, or under interleaved 1F1B each chunk's), the optimizer state's part of it, and the
+    activations (what remains after the framework's share; costmodel.memory.need_bytes)."""
+    devices = len(cfg.device_classes)
+    table = tables.classes[cfg.classes[s]]
+    bounds = cfg.split.bounds
+    state = sum(sum(tables.classes[cfg.classes[k]].state_bytes[bounds[k]:bounds[k + 1]])
+                for k in range(s % devices, cfg.num_stages, devices))
+    optimizer = sharded_state.optimizer_part_bytes(state, table.precision, table.zero_group)
+    return state, optimizer, need_bytes - state - table.framework_bytes
+
+
 def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spec: ClusterSpec,
              inputs: PlanInputs, strategy: str) -> Plan:
     replicas = _allocate(spec, tables, solution.choices)
@@ -204,6 +217,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
             devs = rep.devices[d * degree:(d + 1) * degree]
             dev = devs[0]
             sharded_stage = degree > 1
+            state, optimizer, activations = _priced_parts(tables, cfg, s, mem)
             stages.append(StagePlan(
                 index=s, first_block=lo, last_block=hi - 1, last_node=blocks[hi - 1].last_node,
                 rank=ranks[0], device=dev.index, device_label=dev.label, device_type=dev.type.name,
@@ -212,7 +226,8 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 slowdown=dev.type.slowdown, tp_ranks=ranks if sharded_stage else (),
                 tp_devices=tuple(d.index for d in devs) if sharded_stage else (),
                 tp_device_labels=tuple(d.label for d in devs) if sharded_stage else (),
-                shard_param_bytes=sum(param_bytes[p] for p in params) if sharded_stage else 0.0))
+                shard_param_bytes=sum(param_bytes[p] for p in params) if sharded_stage else 0.0,
+                state_bytes=state, optimizer_bytes=optimizer, activation_bytes=activations))
             busy_by_device[d] += (fwd + bwd) * rep.share + over * len(micro_sizes)
             if s > 0:
                 previous = stages[s - 1].ranks
