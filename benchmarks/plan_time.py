@@ -210,14 +210,15 @@ def main() -> None:
     print()
     print(common.table(["GPUs", "plan s", "plan CPU s", "plan RSS GiB", "plan met",
                         "batch", "load s", "trace s", "search s", "total s", "CPU s", "process s",
-                        "target s", "met", "tables/configs/solve/assemble/verify s", "peak RSS GiB",
+                        "target s", "steps met", "tables/configs/solve/assemble/verify s", "peak RSS GiB",
                         "replicas x stages", "solver"], rows))
     print("plan = the whole `plan MODEL --cluster SPEC --global-batch B -o DIR` command in a fresh process (start-up, "
           "import, trace, search, comm checks, runners-up, writing the program; target 10 s and 2 GiB at 1024 GPUs); "
           "the rest is the planning steps one by one in another fresh process:")
     print("one fresh process per size; total = load (model file, imports transformers) + trace (export on meta, "
           "annotate, blocks) + search (tables, ILP, assemble, verify), wall clock; CPU = the same in this "
-          "process's CPU time; process = the child's whole run (Python and torch start-up included)")
+          "process's CPU time; process = the child's whole run (Python and torch start-up included); "
+          "the target is the command's (plan met), steps met only compares the steps' total with it")
     out = common.write_json("plan_time", {
         "model": args.model, "machine": platform.platform(), "python": platform.python_version(),
         "definition": "fresh process per size; total_s = load_s + trace_s + search_s (wall); "
