@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from backends.report.html import render_html
 from backends.report.memory_parts import memory_parts
+from backends.report.svg import replica_groups
 from planner.api import PlanOptions, plan
 from planner.frontend.cluster import load_cluster
 from tests.helpers import EXAMPLES
@@ -67,3 +71,7 @@ def test_parts_of_an_interleaved_device_hold_all_its_stages():
                    for b in planned.blocks[s.first_block: s.last_block + 1])
         _, grads, optimizer, _, _, _ = memory_parts(planned, rank, spec)
         assert grads == pytest.approx(held, rel=1e-9) and optimizer == pytest.approx(2 * held)
+    page = render_html(planned, spec, None)           # a bar per device, not one per stage it runs
+    devices = sum(len(group.first.device_stages) for group in replica_groups(planned))
+    assert devices < sum(len(group.first.stages) for group in replica_groups(planned))
+    assert len(re.findall(r"GiB \(\d+%\)</text>", page)) == devices

@@ -98,10 +98,11 @@ def _timeline_section(plan: Plan, sim: SimResult | None) -> str:
 
 
 def _memory_rows(plan: Plan, spec: ClusterSpec | None) -> list[MemoryRow]:
-    """One row per stage of each group of identical replicas, fullest first."""
+    """One row per device of each group of identical replicas (its stages together under interleaved
+    1F1B), fullest first."""
     rows = []
     for group in replica_groups(plan):
-        for st in group.first.stages:
+        for st in group.first.device_stages:
             ranks = stage_ranks(st)
             rows.append(MemoryRow(f"rank {ranks} {st.device_label} ({st.device_type})", group.count * st.tp_degree,
                                   memory_parts(plan, st.rank, spec), plan.estimates.capacity_bytes[st.rank]))
