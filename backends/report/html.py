@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from backends.report.idle import idle_causes
 from backends.report.memory_parts import memory_parts
 from backends.report.svg import MemoryRow, cluster_svg, esc, memory_svg, replica_groups, timeline_svg
 from backends.report.text import GIB, RUNNERS_UP_HEADER, format_time, layout, runners_up_rows, stage_ranks
@@ -80,7 +81,8 @@ def render_html(plan: Plan, spec: ClusterSpec | None, sim: SimResult | None) -> 
 def _time_table(plan: Plan, sim: SimResult | None) -> str:
     e = plan.estimates
     rows = [("pipelines (slowest replica)", format_time(e.pipeline_s)), ("gradient sync", format_time(e.sync_s)),
-            ("step (estimate)", format_time(e.iteration_s))]
+            ("step (estimate)", f"{format_time(e.iteration_s)}, bubble {e.bubble_fraction:.0%}"),
+            ("bubble by cause", idle_causes(plan))]
     if sim is not None:
         rows.append(("step (simulated)", f"{format_time(sim.iteration_s)}, bubble {sim.bubble_fraction:.0%}"))
     if e.cost_per_sample is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from backends.report import text
 from backends.report.gantt import render_gantt
+from backends.report.idle import idle_causes
 from backends.report.resilience import checkpoint_lines, lineage_line
 from backends.report.text import GIB, RUNNERS_UP_HEADER, TERMINAL, format_time, printable, runners_up_rows, table
 from backends.sim import simulate_plan
@@ -23,6 +24,7 @@ def summary(plan: Plan, width: int | None = TERMINAL, warnings: bool = True) -> 
         f"device(s), global batch {plan.global_batch}, {len(plan.blocks)} blocks",
         f"estimated step {format_time(e.iteration_s)} (pipelines {format_time(e.pipeline_s)} + gradient sync "
         f"{format_time(e.sync_s)}), {e.throughput_samples_s:,.1f} samples/s, bubble {e.bubble_fraction:.0%}",
+        f"bubble by cause: {idle_causes(plan)}",
         f"search: {printable(s.strategy)}, {printable(s.status)}, objective {format_time(s.objective_s)}, "
         f"bound {format_time(s.bound_s)}, gap {s.gap:.2%}, {s.configurations} candidate replica shapes",
     ]

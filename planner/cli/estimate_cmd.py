@@ -115,6 +115,7 @@ def cmd_estimate(argv: list[str]) -> int:
 
 def report(found: EstimateResult) -> str:
     """What `plan estimate` prints: estimate, simulation, memory per stage, what does not fit."""
+    from backends.report.idle import idle_causes
     from backends.report.text import format_time, table
     from costmodel.memory import capacity_bytes
 
@@ -125,6 +126,7 @@ def report(found: EstimateResult) -> str:
         f"replica(s) on {plan.world_size} device(s), global batch {plan.global_batch}, {len(plan.blocks)} blocks",
         f"estimate:  step {format_time(e.iteration_s)} (pipelines {format_time(e.pipeline_s)} + gradient sync "
         f"{format_time(e.sync_s)}), {e.throughput_samples_s:,.1f} samples/s, bubble {e.bubble_fraction:.0%}",
+        f"           bubble by cause: {idle_causes(plan)}",
         f"simulated: step {format_time(sim.iteration_s)}, {sim.throughput_samples_s:,.1f} samples/s, "
         f"bubble {sim.bubble_fraction:.0%}",
     ]

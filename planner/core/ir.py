@@ -100,6 +100,8 @@ class ReplicaPlan:
     estimated_s: float
     # interleaved 1F1B: the stages each device runs; stage k runs on the ranks of stage k mod (stages / chunks)
     chunks: int = field(default=1, metadata=OPTIONAL)
+    # the optimizer step after the pipeline (its slowest stage's, ZeRO's gather included), part of estimated_s
+    optimizer_s: float = field(default=0.0, metadata=OPTIONAL)
 
     @property
     def device_stages(self) -> tuple[StagePlan, ...]:

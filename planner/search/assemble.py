@@ -247,7 +247,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
         rank += D * degree
         group = "+".join(dict.fromkeys(tables.classes[ci].name for ci in cfg.classes))
         replica_plans.append(ReplicaPlan(ri, group, tuple(stages), rep.share, micro_sizes, cfg.schedule,
-                                         rep.estimated_s(tables), chunks=cfg.chunks))
+                                         rep.estimated_s(tables), chunks=cfg.chunks, optimizer_s=cfg.optimizer_s))
 
     all_devices = spec.devices()
     rank_device = {r: all_devices[d] for rp in replica_plans for st in rp.stages for r, d, _ in st.rank_devices()}
