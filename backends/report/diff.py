@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from backends.report.idle import idle_causes
 from backends.report.text import GIB, format_time, layout, printable, signed_time, table
 from planner.core.ir import Plan
 
@@ -63,6 +64,7 @@ def _facts(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
         ("gradient sync", lambda p: format_time(p.estimates.sync_s)),
         ("throughput", lambda p: f"{p.estimates.throughput_samples_s:,.1f} samples/s"),
         ("bubble", lambda p: f"{p.estimates.bubble_fraction:.0%}"),
+        ("bubble by cause", idle_causes),
         ("fullest device", lambda p: f"{max(p.estimates.memory_bytes) / GIB:.2f} GiB"),
         ("simulated step", lambda p: format_time(p.solver.simulated_iteration_s)
          if p.solver.simulated_iteration_s is not None else "-"),
