@@ -4,7 +4,8 @@ State per rank: its stages' parameters and optimizer state, counted per block as
 counts training state (costmodel.memory.state_bytes: weights, gradient, AdamW's two moments) less what
 a checkpoint does not hold: the gradient, and the low-precision copy of mixed precision. AdamW saves
 the fp32 weights and two fp32 moments (3x the fp32 parameter bytes), SGD with momentum the weights and
-one momentum buffer (2x).
+one momentum buffer (2x). Under ZeRO a rank holds, and saves, its share of its gradient groups'
+optimizer state.
 
 An asynchronous save (torch.distributed.checkpoint.async_save) costs the step only its staging copy:
 each rank copies its state out of device memory (`blocking_s`: bytes / the device's memory bandwidth, a
@@ -36,6 +37,7 @@ from planner.core.units import BYTES_S_PER_GBYTE_S
 
 S_PER_HOUR = 3600.0
 GRADIENT_FACTOR = 1.0           # of costmodel.constants.ADAMW_STATE_FACTOR: the gradient, never saved
+WEIGHT_FACTOR = 1.0             # of saved_factor: the fp32 weights (the rest is the optimizer's state)
 SGD_SAVED_FACTOR = 2.0          # SGD with momentum (the program's): fp32 weights + one momentum buffer
 CPU_MEMCPY_PASSES = 2.0         # a host memcpy reads and writes each byte
 STORAGE_CATALOG = "storage.yaml"
@@ -58,7 +60,9 @@ def default_storage() -> tuple[float, str]:
 
 
 def rank_state_bytes(plan: Plan, optimizer: str) -> list[float]:
-    """Checkpoint bytes of each rank: its stage's blocks' fp32 parameter bytes x saved_factor."""
+    """Checkpoint bytes of each rank: the fp32 parameter bytes of every stage it runs (one shard's under
+    tensor parallelism; each chunk's under interleaved 1F1B) x saved_factor, less, in a ZeRO gradient
+    group, the optimizer state its other members own (each rank holds and saves 1 / group of it)."""
     factor = saved_factor(optimizer)
     out = [0.0] * plan.world_size
     for replica in plan.replicas:
@@ -66,7 +70,12 @@ def rank_state_bytes(plan: Plan, optimizer: str) -> list[float]:
             params = st.shard_param_bytes or sum(plan.blocks[b].param_bytes
                                                  for b in range(st.first_block, st.last_block + 1))
             for rank in st.ranks:
-                out[rank] = params * factor
+                out[rank] += params * factor
+    for group in plan.grad_groups:
+        if group.zero:
+            others = group.nbytes * (factor - WEIGHT_FACTOR) * (1.0 - 1.0 / len(group.ranks))
+            for rank in group.ranks:
+                out[rank] -= others
     return out
 
 

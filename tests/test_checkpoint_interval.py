@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends.report.terminal import summary
-from costmodel.checkpoint import checkpoint_advice, default_storage
+from costmodel.checkpoint import checkpoint_advice, default_storage, rank_state_bytes
 from planner.api import PlanOptions, plan
 from planner.core.errors import SpecError
 from planner.core.ir import Plan
@@ -134,3 +134,30 @@ def test_a_bad_figure_is_one_line_naming_it(tmp_path: Path, old: str, new: str, 
 def test_the_seed_cluster_gives_every_device_an_mtbf() -> None:
     spec = load_cluster(Path(__file__).resolve().parents[1] / "examples" / "clusters" / "seed-mixed-32.yaml")
     assert all(d.type.mtbf_hours == 50000 for d in spec.devices())
+
+
+LLAMA = EXAMPLES / "hf_llama" / "model.py"
+
+
+def test_a_zero_rank_saves_its_share_of_the_optimizer_state():
+    """TP 2 x ZeRO over 2 replicas: each rank saves one shard's fp32 weights and half its two moments."""
+    p = plan(LLAMA, CLUSTERS / "cpu-4.yaml", PlanOptions(global_batch=16, tp=2, zero="on", runners_up=False)).plan
+    assert p.grad_groups and all(g.zero and len(g.ranks) == 2 for g in p.grad_groups)
+    saved = rank_state_bytes(p, "adamw")
+    for rank in range(p.world_size):
+        shard = p.stage_of_rank(rank)[1].shard_param_bytes
+        in_groups = sum(g.nbytes for g in p.grad_groups if rank in g.ranks)
+        assert in_groups == pytest.approx(shard)
+        assert saved[rank] == pytest.approx(shard * (1 + 2 / 2))
+
+
+def test_an_interleaved_rank_saves_every_stage_it_runs():
+    p = plan(LLAMA, CLUSTERS / "cpu-4.yaml", PlanOptions(global_batch=16, stages=4, schedule="interleaved",
+                                                         zero="off", runners_up=False)).plan
+    assert all(r.chunks == 2 for r in p.replicas)
+    saved = rank_state_bytes(p, "adamw")
+    for rank in range(p.world_size):
+        replica, stage = p.stage_of_rank(rank)
+        held = sum(p.blocks[b].param_bytes for s in replica.stages_with(stage)
+                   for b in range(s.first_block, s.last_block + 1))
+        assert saved[rank] == pytest.approx(3.0 * held)
