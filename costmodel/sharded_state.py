@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from costmodel import constants as C
+from costmodel import memory
 from costmodel.tables import ClassTable, CostTables
 
 ADAMW_MOMENT_FACTOR = 2.0      # of ADAMW_STATE_FACTOR's weights + gradients + two moments
@@ -21,16 +21,14 @@ ADAMW_MOMENT_FACTOR = 2.0      # of ADAMW_STATE_FACTOR's weights + gradients + t
 
 def moment_bytes(state_bytes: float, precision: str) -> float:
     """The AdamW moments' part of a block's training state (costmodel.memory.state_bytes)."""
-    factor = C.ADAMW_STATE_FACTOR + (C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if precision != "fp32" else 0.0)
-    return state_bytes * ADAMW_MOMENT_FACTOR / factor
+    return state_bytes * ADAMW_MOMENT_FACTOR / memory.state_bytes(1.0, precision)
 
 
 def optimizer_part_bytes(state_bytes: float, precision: str, group: int) -> float:
     """The AdamW moments' part of a training state priced at ZeRO group `group` (`at_group`: every rank
     keeps its weights and gradients whole and 1/group of the moments)."""
-    whole = C.ADAMW_STATE_FACTOR + (C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if precision != "fp32" else 0.0)
     moments = ADAMW_MOMENT_FACTOR / max(group, 1)
-    return state_bytes * moments / (whole - ADAMW_MOMENT_FACTOR + moments)
+    return state_bytes * moments / (memory.state_bytes(1.0, precision) - ADAMW_MOMENT_FACTOR + moments)
 
 
 def allgather_s(nbytes: float, ranks: int, bandwidth_bytes_s: float, latency_s: float) -> float:

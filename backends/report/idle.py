@@ -41,16 +41,15 @@ def idle_parts(plan: Plan) -> IdleParts:
     step_s = e.iteration_s
     if step_s <= 0 or plan.world_size == 0:
         return IdleParts(0.0, 0.0, 0.0, 0.0, 0.0)
-    fill = uneven_stages = uneven_replicas = sync = optimizer = 0.0
+    fill = uneven_stages = uneven_replicas = optimizer = 0.0
     for replica in plan.replicas:
         busy = [e.busy_s[r] for r in replica.ranks]
-        busiest = max(busy)
-        for b in busy:
-            sync += step_s - e.pipeline_s
-            uneven_replicas += e.pipeline_s - replica.estimated_s
-            optimizer += replica.optimizer_s
-            fill += replica.estimated_s - replica.optimizer_s - busiest
-            uneven_stages += busiest - b
+        ranks, busiest = len(busy), max(busy)
+        uneven_replicas += ranks * (e.pipeline_s - replica.estimated_s)
+        optimizer += ranks * replica.optimizer_s
+        fill += ranks * (replica.estimated_s - replica.optimizer_s - busiest)
+        uneven_stages += ranks * busiest - sum(busy)
+    sync = plan.world_size * (step_s - e.pipeline_s)
     device_s = step_s * plan.world_size
     return IdleParts(fill / device_s, uneven_stages / device_s, uneven_replicas / device_s, sync / device_s,
                      optimizer / device_s)

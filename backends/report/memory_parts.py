@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from costmodel import constants as C
 from costmodel import memory
+from costmodel.sharded_state import ADAMW_MOMENT_FACTOR
 from planner.core.cluster import ClusterSpec
-from planner.core.ir import Plan, StagePlan
+from planner.core.ir import Plan
 
 Parts = tuple[float, float, float, float, float, float]
 
@@ -27,9 +28,9 @@ def memory_parts(plan: Plan, rank: int, spec: ClusterSpec | None) -> Parts:
     _, stage = plan.stage_of_rank(rank)
     if stage.state_bytes <= 0.0:
         return _derived_parts(plan, rank, spec)
-    copy = C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if stage.precision != "fp32" else 0.0
     weights_and_gradients = stage.state_bytes - stage.optimizer_bytes
-    gradients = weights_and_gradients / (2.0 + copy)
+    # per fp32 parameter byte: a gradient, and the weights (with their low-precision copy)
+    gradients = weights_and_gradients / (memory.state_bytes(1.0, stage.precision) - ADAMW_MOMENT_FACTOR)
     framework = stage.memory_bytes - stage.state_bytes - stage.activation_bytes
     compressor = plan.estimates.memory_bytes[rank] - stage.memory_bytes
     return (weights_and_gradients - gradients, gradients, stage.optimizer_bytes, stage.activation_bytes,
@@ -44,7 +45,12 @@ def _derived_parts(plan: Plan, rank: int, spec: ClusterSpec | None) -> Parts:
     weights = params_fp32 * (1.0 + (C.MIXED_PRECISION_WEIGHT_COPY_FACTOR if stage.precision != "fp32" else 0.0))
     gradients = params_fp32
     optimizer = params_fp32 * (C.ADAMW_STATE_FACTOR - 2.0)      # AdamW's two moments
-    activations = _activations(plan, replica.schedule, stage, len(replica.stages), replica.micro_batch_sizes)
+    in_flight = memory.in_flight_micro_batches(replica.schedule, stage.index, len(replica.stages),
+                                               len(replica.micro_batch_sizes))
+    kept, stage_input, working = memory.stage_activation_figures(plan.blocks, stage.first_block, stage.last_block,
+                                                                 stage.precision, plan.inputs.trace_batch)
+    activations = memory.kept_activation_bytes(kept, stage_input, working, max(replica.micro_batch_sizes),
+                                               in_flight, stage.recompute)
     rest = max(plan.estimates.memory_bytes[rank] - (weights + gradients + optimizer + activations), 0.0)
     compressed = any(rank in g.ranks and g.compressor != "none" for g in plan.grad_groups)
     if not compressed or spec is None or stage.device >= spec.num_devices:
@@ -52,11 +58,3 @@ def _derived_parts(plan: Plan, rank: int, spec: ClusterSpec | None) -> Parts:
     framework = min(memory.framework_bytes(spec.devices()[stage.device].type), rest)
     return weights, gradients, optimizer, activations, rest - framework, framework
 
-
-def _activations(plan: Plan, schedule: str, stage: StagePlan, num_stages: int,
-                 micro_batch_sizes: tuple[int, ...]) -> float:
-    in_flight = memory.in_flight_micro_batches(schedule, stage.index, num_stages, len(micro_batch_sizes))
-    kept, stage_input, working = memory.stage_activation_figures(plan.blocks, stage.first_block, stage.last_block,
-                                                                 stage.precision, plan.inputs.trace_batch)
-    return memory.kept_activation_bytes(kept, stage_input, working, max(micro_batch_sizes), in_flight,
-                                        stage.recompute)
