@@ -20,9 +20,10 @@ from passes.tensor_parallel import find_regions, unshard
 from planner import frontend
 from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli, run_program
-from tests.test_checkpoint_e2e import _assert_same_final_parameters, losses_by_step, train_program
+from tests.test_checkpoint_e2e import SEED, _assert_same_final_parameters, losses_by_step, train_program
 
 STEPS = 6
+LR = 0.05            # SGD's: large enough that momentum lost on resume would show in the losses
 
 
 def _plan(tmp_path, model: str, cluster: str, *flags: str):
@@ -112,3 +113,38 @@ def test_tp_zero_plan_resumes_bit_for_bit(tmp_path):
     full, resumed = losses_by_step(tmp_path / "full"), losses_by_step(tmp_path / "part", 3 * 4)
     assert resumed == {step: full[step] for step in range(3, 6)}
     _assert_same_final_parameters(tmp_path / "part", tmp_path / "full", 4)
+
+
+@pytest.mark.slow
+def test_a_tp_zero_checkpoint_resumes_without_tensor_parallelism_as_one_process(tmp_path):
+    """TP=2 x DP=2 with ZeRO-1 (uneven shares) trains 3 steps and checkpoints; a plan without tensor parallelism
+    (2 stages on cpu-4) resumes from it (`--resume-from`) to 6: every loss and the final parameters equal
+    single-process training. The shards are put together (checkpoint_reshard.py), SGD's momentum too, which
+    each ZeRO owner saved for its part: fresh momentum would miss the reference from step 4 on."""
+    source, plan = _plan(tmp_path / "a", "gpt", "cpu-hetero-4.yaml", "--zero", "on", "--global-batch", "16",
+                         "--micro-batch", "2", "--use-all-devices")
+    assert plan.tp_degree == 2 and len(plan.replicas) == 2
+    target = tmp_path / "b"
+    proc = run_plan_cli(str(EXAMPLES / "gpt" / "model.py"), "--cluster", str(CLUSTERS / "cpu-4.yaml"), "--tp", "1",
+                        "--stages", "2", "--global-batch", "16", "--micro-batch", "2", "--no-runners-up",
+                        "-o", str(target))
+    assert proc.returncode == 0, proc.stderr
+    resumed = Plan.load(target)
+    assert resumed.tp_degree == 1
+    flags = ("--optimizer", "sgd", "--lr", str(LR))
+    train_program(source / "program", tmp_path / "first", 3, *flags, "--checkpoint-every", "3")
+    proc = train_program(target / "program", tmp_path / "then", 6, *flags, "--resume-from",
+                         str(tmp_path / "first" / "ckpt"))
+    assert "resumed from" in proc.stdout
+    ref = train_reference(str(EXAMPLES / "gpt" / "model.py"), global_batch=16, steps=6, seed=SEED, lr=LR,
+                          optimizer="sgd")
+    losses = {**losses_by_step(tmp_path / "first"), **losses_by_step(tmp_path / "then")}
+    assert sorted(losses) == list(range(6))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(ref.losses[step], rel=1e-5), (step, loss, ref.losses[step])
+    for replica in resumed.replicas:
+        for st in replica.stages:
+            final = torch.load(tmp_path / "then" / "final" / f"rank{st.ranks[0]}.pt")
+            for name in (n for n in st.params if n in ref.params):
+                rel = float((final[name] - ref.params[name]).norm() / ref.params[name].norm().clamp_min(1e-6))
+                assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"

@@ -4,8 +4,8 @@ loads what it needs: DCP reads by name, so each rank asks only for the names it 
   model/<name>                          parameters and buffers by the model's qualified names (a tied
                                         tensor under one name: the first of its aliases in the model's
                                         state-dict order, `canonical_names`; a tensor-parallel shard as
-                                        <name>@tp<j>of<t>, `shard_name`: a plan of the same degree
-                                        reads it, another says which name it lacks)
+                                        <name>@tp<j>of<t>: a plan of another degree puts the lanes'
+                                        pieces together and cuts its own, checkpoint_reshard.py)
   optim/<name>/<key>                    optimizer state per parameter (AdamW exp_avg, exp_avg_sq, step;
                                         SGD momentum_buffer; 1-bit Adam's also variance_step); in a
                                         `zero` gradient group written and read by the parameter's
@@ -14,6 +14,7 @@ loads what it needs: DCP reads by name, so each rank asks only for the names it 
   scaler/<key>                          the fp16 loss scaler's state (plan-wide)
   rng/rank<r>/cpu, rng/rank<r>/cuda     each rank's torch generator states
   meta/step, meta/seed, meta/optimizer, meta/plan_digest, meta/onebit_freeze_step
+  meta/tp/<name>                        how a split parameter's shards were cut (checkpoint_reshard.py)
 
 Names every rank of a plan writes alike (a replicated parameter, the step) are written once (DCP's
 de-duplication keeps one copy); replicas and the stages sharing a tied weight hold identical values.
@@ -23,7 +24,8 @@ resumed run reads from step k on (data.ReplicaData.micro_batches restarts there)
 On the same plan (equal plan digest) everything is restored exactly, so a resumed run continues bit for
 bit. On another plan, gradient-compressor state cannot be resharded (group members and bucket contents
 differ) and each rank's generator state has no counterpart: both start fresh, and rank 0 says so in one
-warning line; parameters, optimizer state, the loss scale and the step carry over.
+warning line; parameters, optimizer state, the loss scale and the step carry over, at any
+tensor-parallel degree.
 
 DCP is imported by the readers on first use, as checkpoint_save.py is by train.py: a run that neither
 saves nor resumes never needs it (checkpoint.py).
@@ -36,15 +38,17 @@ import pickle
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from backends.compression import GradientCompressor, OneBitAdamW
+from passes.tensor_parallel import ShardSpec
 from planner.core.ir import Plan
 
+from . import checkpoint_reshard
 from .checkpoint import CheckpointError, step_of
 from .precision import LossScaler
 from .zero import held_parameters
@@ -70,11 +74,6 @@ def canonical_names(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def shard_name(name: str, lane: int, degree: int) -> str:
-    """The name shard `lane` of `degree` of the parameter `name` is saved under (and its optimizer state)."""
-    return f"{name}@tp{lane}of{degree}"
-
-
 @dataclass
 class RankState:
     """This rank's live training state, which `collect` reads and `restore` writes in place."""
@@ -89,6 +88,7 @@ class RankState:
     optimizer_name: str
     plan_digest: str
     plan_compresses: bool                   # any gradient group of the plan has a compressor
+    cuts: Mapping[str, ShardSpec] = field(default_factory=dict)   # saved base name -> how its shard is cut
 
     def _param_names(self) -> dict[int, str]:
         return {id(t): name for name, t in self.tensors.items() if isinstance(t, torch.nn.Parameter)}
@@ -113,6 +113,7 @@ def collect(state: RankState, steps_done: int) -> dict[str, Any]:
         out[f"{RNG}rank{state.rank}/cuda"] = torch.cuda.get_rng_state(state.device)
     out.update({META + "step": steps_done, META + "seed": state.seed, META + "optimizer": state.optimizer_name,
                 META + "plan_digest": state.plan_digest})
+    out.update(checkpoint_reshard.cut_entries(state.cuts))
     if isinstance(state.optimizer, OneBitAdamW):
         out[META + "onebit_freeze_step"] = state.optimizer.freeze_step
     return out
@@ -147,8 +148,12 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
 
     entries = read_metadata(folder).state_dict_metadata
     request: dict[str, Any] = {}
+    moved: list[str] = []                 # names saved at another tensor-parallel degree (checkpoint_reshard)
     for name, tensor in state.tensors.items():
         entry = entries.get(MODEL + name)
+        if entry is None:
+            moved.append(name)
+            continue
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"the checkpoint holds no tensor {name}, which this rank trains", file=str(folder),
                                   fix="resume from a checkpoint of this model")
@@ -158,7 +163,8 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
                                   fix="resume from a checkpoint of this model's configuration")
         request[MODEL + name] = tensor.detach()           # filled in place
     names = state._param_names()
-    wanted_prefixes = [OPTIM + names[id(p)] + "/" for p in held_parameters(state.optimizer)]
+    held = [names[id(p)] for p in held_parameters(state.optimizer)]
+    wanted_prefixes = [OPTIM + name + "/" for name in held if name not in moved]
     mine = (f"{COMPRESSOR}", f"{RNG}rank{state.rank}/", SCALER, META)
     for key, entry in entries.items():
         if key.startswith(OPTIM) and any(key.startswith(p) for p in wanted_prefixes):
@@ -168,8 +174,10 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
     meta = {key: request.pop(key) for key in [k for k in request if k.startswith(META)]}
     _load(folder, meta)                                   # the run's kind first: nothing changed if it differs
     _check_run(folder, meta, state)
+    pieces = [_pieces(folder, entries, meta, state, name) for name in moved]   # all found before any is read
     _load(folder, request)
     request.update(meta)
+    request.update(_resharded(folder, entries, state, pieces, set(held)))
     same_plan = request[META + "plan_digest"] == state.plan_digest
     _restore_optimizer(request, state, keep_freeze_step)
     if state.scaler is not None and any(k.startswith(SCALER) for k in request):
@@ -180,6 +188,38 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
         print(f"train.py: warning: {folder} was written by another plan: the gradient compressors' state "
               "(error feedback, PowerSGD's P and Q) starts fresh", file=sys.stderr, flush=True)
     return int(request[META + "step"])
+
+
+def _pieces(folder: Path, entries: Mapping[str, Any], meta: Mapping[str, Any], state: RankState,
+            name: str) -> checkpoint_reshard.Pieces:
+    """Where the tensor this rank saves as `name` lies in a checkpoint of another tensor-parallel degree."""
+    base = checkpoint_reshard.split_name(name)[0]
+    pieces = checkpoint_reshard.find_pieces(entries, MODEL, name, state.cuts.get(base), meta, folder)
+    if pieces is None:
+        raise CheckpointError(f"the checkpoint holds no tensor {base}, which this rank trains", file=str(folder),
+                              fix="resume from a checkpoint of this model")
+    if pieces.shape != tuple(state.tensors[name].shape):
+        raise CheckpointError(f"tensor {base} has shape {list(pieces.whole)} in the checkpoint (in "
+                              f"{len(pieces.sources)} pieces), which does not give this rank's "
+                              f"{list(state.tensors[name].shape)}", file=str(folder),
+                              fix="resume from a checkpoint of this model's configuration")
+    return pieces
+
+
+def _resharded(folder: Path, entries: Mapping[str, Any], state: RankState, moved: list[checkpoint_reshard.Pieces],
+               held: set[str]) -> dict[str, Any]:
+    """The tensors saved at another tensor-parallel degree put in place from their pieces, one tensor at a
+    time (checkpoint_reshard.py); returns the optimizer state entries of those this rank holds state for,
+    under this rank's names (as `restore` reads them)."""
+    out: dict[str, Any] = {}
+    for pieces in moved:
+        tensor = state.tensors[pieces.name]
+        value, optim = checkpoint_reshard.read(pieces, entries, OPTIM if pieces.name in held else None,
+                                               lambda request: _load(folder, request), _empty_like_entry)
+        with torch.no_grad():
+            tensor.copy_(value)
+        out.update({f"{OPTIM}{pieces.name}/{key}": v for key, v in optim.items()})
+    return out
 
 
 def _load(folder: Path, request: dict[str, Any]) -> None:

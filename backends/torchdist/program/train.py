@@ -56,12 +56,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from passes.tensor_parallel import ShardSpec
 from planner import frontend
 from planner.core.errors import HetplanError, OptionError
 from planner.core.ir import Plan
 
 from . import (
     checkpoint,
+    checkpoint_reshard,
     checkpoint_state,
     comm_check,
     data,
@@ -138,10 +140,12 @@ def parse_args(plan: Plan, here: Path, argv: list[str] | None) -> argparse.Names
 
 
 def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.ModelFile, args: argparse.Namespace,
-                ) -> tuple[stages.StageGraphs, dict[str, torch.nn.Parameter], dict[str, torch.Tensor]]:
+                ) -> tuple[stages.StageGraphs, dict[str, torch.nn.Parameter], dict[str, torch.Tensor],
+                           dict[str, ShardSpec]]:
     """This rank's stage, ready to train: the model built and traced on meta at its replica's micro-batch
     sizes, and only this stage's tensors given values (the init contract, materialise.py) on its device.
-    Returns the graphs, the stage's parameters and all its tensors (parameters and buffers) by name."""
+    Returns the graphs, the stage's parameters and all its tensors (parameters and buffers) by name, and
+    how each parameter tensor parallelism splits is cut (by name; none without it)."""
     meta = materialise.build_meta(model_file, args.seed)
     shards = tensor_parallel.Shards.of(ctx)            # None without tensor parallelism
     graphs = stages.StageGraphs(meta, model_file, [s.last_node for s in ctx.replica.stages],
@@ -158,7 +162,8 @@ def start_stage(plan: Plan, ctx: process_group.Context, model_file: frontend.Mod
     for st in ctx.stages:
         graphs.install(st.index, values)
     params = {name: values[name] for st in ctx.stages for name in st.params}
-    return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}, values
+    cuts = {name: spec for name, spec in shards.specs().items() if name in values} if shards is not None else {}
+    return graphs, {name: p for name, p in params.items() if isinstance(p, torch.nn.Parameter)}, values, cuts
 
 
 def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Namespace) -> None:
@@ -198,7 +203,7 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
     if args.data is not None:
         os.environ[data.DATA_ENV] = str(args.data.resolve())
     model_file = frontend.load_model_file(here / "model.py", functions)
-    graphs, params, tensors = start_stage(plan, ctx, model_file, args)
+    graphs, params, tensors, cuts = start_stage(plan, ctx, model_file, args)
     rows = data.ReplicaData(model_file, plan, ctx.replica.index, ctx.device, seed=args.seed, steps=args.steps,
                             needs=data.stage_needs(graphs.split_at(graphs.sizes[0]), [st.index for st in ctx.stages],
                                                    ctx.is_last))
@@ -215,7 +220,7 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
                                                 onebit_freeze_step=freeze_step,
                                                 loss_scaling=executor.scaler is not None)
     # checkpoints and resume (checkpoint.py, checkpoint_state.py): the state restored in place, then saved
-    state = _rank_state(plan, ctx, args, graphs, tensors, optimizer, grad_sync, executor.scaler)
+    state = _rank_state(plan, ctx, args, graphs, tensors, cuts, optimizer, grad_sync, executor.scaler)
     saver = _checkpointer(ctx, args, fault_set, state.plan_digest)
     first_step = _resume(ctx, args, state)
     log = metrics.MetricsLog(args.out, ctx)
@@ -262,23 +267,24 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
 
 
 def _rank_state(plan: Plan, ctx: process_group.Context, args: argparse.Namespace, graphs: stages.StageGraphs,
-                tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, grad_sync: gradsync.GradientSync,
-                scaler: precision.LossScaler | None) -> checkpoint_state.RankState:
+                tensors: dict[str, torch.Tensor], cuts: dict[str, ShardSpec], optimizer: torch.optim.Optimizer,
+                grad_sync: gradsync.GradientSync, scaler: precision.LossScaler | None) -> checkpoint_state.RankState:
     """What a checkpoint of this rank holds, by the model's names (a tied tensor under one of them; a
-    tensor-parallel shard under its name and shard, checkpoint_state.shard_name)."""
+    tensor-parallel shard under its name and shard, checkpoint_reshard.shard_name, and how it is cut)."""
     canonical = checkpoint_state.canonical_names(graphs.meta.module)
     full = {name: tuple(t.shape) for name, t in graphs.meta.module.state_dict(keep_vars=True).items()}
 
     def key(name: str, t: torch.Tensor) -> str:
         saved = canonical.get(name, name)
         if name in full and tuple(t.shape) != full[name]:      # this lane's slice of a split parameter
-            return checkpoint_state.shard_name(saved, ctx.lane, ctx.stage.tp_degree)
+            return checkpoint_reshard.shard_name(saved, ctx.lane, ctx.stage.tp_degree)
         return saved
     return checkpoint_state.RankState(
         tensors={key(name, t): t for name, t in tensors.items()}, optimizer=optimizer,
         compressors=grad_sync.compressors(), scaler=scaler, rank=ctx.rank, device=ctx.device, seed=args.seed,
         optimizer_name=args.optimizer, plan_digest=checkpoint_state.plan_digest(plan),
-        plan_compresses=any(g.compressor != "none" for g in plan.grad_groups))
+        plan_compresses=any(g.compressor != "none" for g in plan.grad_groups),
+        cuts={canonical.get(name, name): spec for name, spec in cuts.items()})
 
 
 def _checkpoint_root(args: argparse.Namespace) -> Path:
