@@ -59,3 +59,37 @@ def test_a_slowed_replica_loses_rows_and_training_stays_exact(tmp_path):
         assert sorted(losses) == list(range(plan.world_size)), f"step {step}: ranks {sorted(losses)}"
         for rank, loss in losses.items():
             assert loss == pytest.approx(ref.losses[step], rel=1e-5), (step, rank, loss, ref.losses[step])
+
+
+@pytest.mark.slow
+def test_a_slowed_shard_moves_rows_off_its_tensor_parallel_replica(tmp_path):
+    """TP=2 x 2 replicas of GPT (a replica per node of cpu-hetero-4), the fast replica's second shard slowed 5x
+    (a clear signal: four processes of this test share the CI's two cores with another test's):
+    a stage is as slow as its slowest shard, so the replica loses rows; the new shares' stage graphs are traced
+    again as this rank's shards (stages.StageGraphs.shard), and the losses stay those of one process."""
+    out = tmp_path / "out"
+    proc = run_plan_cli(str(EXAMPLES / "gpt" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
+                        "--tp", "2", "--global-batch", "16", "--use-all-devices", "--micro-batch", "2",
+                        "--no-runners-up", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(out)
+    assert plan.tp_degree == 2 and len(plan.replicas) == 2
+    slowed_device = "fast/0:1"
+    slowed = next(r.index for r in plan.replicas for st in r.stages if slowed_device in st.tp_device_labels)
+    assert plan.devices.index(slowed_device) != plan.replicas[slowed].stages[0].rank     # a shard, not lane 0
+    outcome = run_program(plan, out / "program", out / "run",
+                          ["--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--optimizer", "sgd",
+                           "--rebalance", "--fault", f"slow:{slowed_device}=5@{SLOW_FROM_STEP}"], timeout_s=30)
+    assert outcome.returncode == 0, f"{outcome.message}\n{run_logs_tail(out)}"
+    metrics = read_metrics(out / "run" / "metrics.jsonl")
+    records = [m["rebalance"] for m in metrics if m["rank"] == 0 and "rebalance" in m]
+    after = [r for r in records if r["step"] >= SLOW_FROM_STEP and r["applied"]]
+    assert after, f"no rebalance after step {SLOW_FROM_STEP}: {records}"
+    assert after[0]["new_shares"][slowed] < after[0]["old_shares"][slowed], after[0]
+    ref = train_reference(str(EXAMPLES / "gpt" / "model.py"), global_batch=plan.global_batch, steps=STEPS,
+                          seed=SEED, lr=LR, optimizer="sgd")
+    for step in range(STEPS):
+        losses = {m["rank"]: m["loss"] for m in metrics if m["step"] == step}
+        assert sorted(losses) == list(range(plan.world_size)), f"step {step}: ranks {sorted(losses)}"
+        for rank, loss in losses.items():
+            assert loss == pytest.approx(ref.losses[step], rel=1e-5), (step, rank, loss, ref.losses[step])

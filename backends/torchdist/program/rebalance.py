@@ -73,9 +73,14 @@ WARMUP_STEPS = 1       # the first steps' figures (first-touch allocation, lazy 
                        # at new sizes; also after a resume) are not used
 
 
+def stage_compute_s(stage: StagePlan, rank_compute_s: list[float]) -> float:
+    """A stage's measured compute seconds: its slowest shard's (the shards' all-reduces pace them alike)."""
+    return max(rank_compute_s[rank] for rank in stage.ranks)
+
+
 def replica_s_per_row(plan: Plan, rank_compute_s: list[float]) -> list[float]:
     """Per replica, its slowest stage's measured compute seconds per row of its share."""
-    return [max(rank_compute_s[st.rank] for st in r.stages) / r.batch_share for r in plan.replicas]
+    return [max(stage_compute_s(st, rank_compute_s) for st in r.stages) / r.batch_share for r in plan.replicas]
 
 
 def planned_compute_s(stage: StagePlan, micro_batch_sizes: tuple[int, ...]) -> float:
@@ -132,7 +137,7 @@ def speeds_of(plan: Plan, rank_compute_s: list[float], planned: Plan | None = No
     for r in plan.replicas:
         per_row_s, per_micro_s = 0.0, 0.0
         for st in r.stages:
-            measured_s, planned_s = rank_compute_s[st.rank], planned_compute_s(st, r.micro_batch_sizes)
+            measured_s, planned_s = stage_compute_s(st, rank_compute_s), planned_compute_s(st, r.micro_batch_sizes)
             if planned_s > 0.0:
                 scale = measured_s / planned_s
                 per_row_s = max(per_row_s, scale * (st.fwd_s_per_sample + st.bwd_s_per_sample))
@@ -175,7 +180,7 @@ def regraph(old: StageGraphs, stage: int, sizes: tuple[int, ...], model_file: fr
     if set(sizes) <= set(old.sizes):
         return old
     graphs = StageGraphs(old.meta, old.model_file, old.last_nodes, sizes,
-                         lambda rows: data.meta_inputs(model_file, rows), device)
+                         lambda rows: data.meta_inputs(model_file, rows), device, shard=old.shard)
     installed: dict[str, torch.Tensor] = {}
     for rows in old.sizes:
         module = old.split_at(rows).stages[stage].module

@@ -39,7 +39,7 @@ class StageGraphs:
                  sizes: Iterable[int], meta_inputs: Callable[[int], tuple[Any, ...]],
                  device: torch.device | str = "meta",
                  shard: Callable[[fx.GraphModule], None] | None = None) -> None:
-        self.meta, self.model_file, self.last_nodes = meta, model_file, last_nodes
+        self.meta, self.model_file, self.last_nodes, self.shard = meta, model_file, last_nodes, shard
         self._splits: dict[int, StageSplit] = {}
         self._targets: dict[str, str] = {}       # a stage module's attribute -> the model's qualified name
         for rows in sorted(set(sizes)):

@@ -179,24 +179,17 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
         raise
 
 
-def _check_tensor_parallel(plan: Plan, args: argparse.Namespace) -> None:
-    """What a plan with tensor parallelism or interleaved 1F1B does not run yet, refused on every rank alike
-    (one line each)."""
+def _check_interleaved(plan: Plan, args: argparse.Namespace) -> None:
+    """What a plan with interleaved 1F1B does not run yet, refused on every rank alike (one line)."""
     interleaved = [r.index for r in plan.replicas if r.chunks > 1]
     if interleaved and args.rebalance:
         raise OptionError(f"--rebalance is not supported yet for a plan with interleaved 1F1B (replicas "
                           f"{interleaved}): new micro-batch counts must fill whole rounds of the schedule",
                           field="--rebalance", fix="run without --rebalance, or re-plan with --schedule 1f1b")
-    if plan.tp_degree == 1:
-        return
-    if args.rebalance:
-        raise OptionError(f"--rebalance is not supported yet for a plan with tensor parallelism (degree "
-                          f"{plan.tp_degree}): a rebalanced step re-traces the stage without its shards",
-                          field="--rebalance", fix="re-plan with --tp 1 for this run, or run without --rebalance")
 
 
 def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Namespace) -> None:
-    _check_tensor_parallel(plan, args)
+    _check_interleaved(plan, args)
     if ctx.rank == 0:
         print(layout.table(plan), flush=True)
     functions = dict(plan.program.functions) if plan.program else {}
