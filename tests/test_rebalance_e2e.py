@@ -92,3 +92,36 @@ def test_a_slowed_shard_moves_rows_off_its_tensor_parallel_replica(tmp_path):
     assert after, f"no rebalance after step {SLOW_FROM_STEP}: {records}"
     assert after[0]["new_shares"][slowed] < after[0]["old_shares"][slowed], after[0]
     _assert_losses_of_one_process(metrics, plan, "gpt", "sgd")
+
+
+@pytest.mark.slow
+def test_a_run_resumed_after_a_rebalance_keeps_its_shares_bit_for_bit(tmp_path):
+    """The MLP run of the first test, a checkpoint after step 12 (after the rebalance), resumed to step 14: it
+    trains on the rebalanced shares the checkpoint recorded (meta/micro_batches), not the plan's, so steps 12
+    and 13 are those of the run that never stopped, bit for bit."""
+    out = tmp_path / "out"
+    proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
+                        "--global-batch", "24", "--stages", "2", "--use-all-devices", "--micro-batch", "4",
+                        "--no-runners-up", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(out)
+    flags = ["--seed", str(SEED), "--lr", str(LR), "--optimizer", "adamw", "--rebalance",
+             "--fault", f"slow:{SLOWED_DEVICE}=3@{SLOW_FROM_STEP}", "--checkpoint-every", "12",
+             "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = run_program(plan, out / "program", tmp_path / "first", ["--steps", str(STEPS), *flags], timeout_s=30)
+    assert first.returncode == 0, f"{first.message}\n{run_logs_tail(out)}"
+    metrics = read_metrics(tmp_path / "first" / "metrics.jsonl")
+    applied = [m["rebalance"] for m in metrics if m["rank"] == 0 and m.get("rebalance", {}).get("applied")]
+    assert applied and applied[0]["step"] < 11, applied          # the shares changed before the checkpoint
+    later = [r["step"] for r in applied if r["step"] >= 12]        # a change from step 13 on: compare step 12 only
+    compared = range(12, later[0] + 1 if later else STEPS)
+    then = run_program(plan, out / "program", tmp_path / "then", ["--steps", str(STEPS), *flags, "--resume"],
+                       timeout_s=30)
+    assert then.returncode == 0, f"{then.message}\n{run_logs_tail(out)}"
+    logs = "".join(p.read_text() for p in (tmp_path / "then" / "logs").rglob("stdout.log"))
+    assert f"resumed with the shares {list(applied[-1]['new_shares'])}" in logs, logs[-2000:]
+    resumed = read_metrics(tmp_path / "then" / "metrics.jsonl")
+    for step in compared:
+        want = {m["rank"]: m["loss"] for m in metrics if m["step"] == step}
+        got = {m["rank"]: m["loss"] for m in resumed if m["step"] == step}
+        assert got == want, (step, got, want)

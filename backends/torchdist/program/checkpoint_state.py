@@ -15,6 +15,9 @@ loads what it needs: DCP reads by name, so each rank asks only for the names it 
   rng/rank<r>/cpu, rng/rank<r>/cuda     each rank's torch generator states
   meta/step, meta/seed, meta/optimizer, meta/plan_digest, meta/onebit_freeze_step
   meta/tp/<name>                        how a split parameter's shards were cut (checkpoint_reshard.py)
+  meta/micro_batches                    each replica's micro-batch sizes when the checkpoint was taken
+                                        (a --rebalance may have changed the plan's): the same plan resumes
+                                        with them
 
 Names every rank of a plan writes alike (a replicated parameter, the step) are written once (DCP's
 de-duplication keeps one copy); replicas and the stages sharing a tied weight hold identical values.
@@ -37,7 +40,7 @@ import hashlib
 import pickle
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +92,10 @@ class RankState:
     plan_digest: str
     plan_compresses: bool                   # any gradient group of the plan has a compressor
     cuts: Mapping[str, ShardSpec] = field(default_factory=dict)   # saved base name -> how its shard is cut
+    # each replica's micro-batch sizes the run trains with now (a rebalance changes them), and those a
+    # checkpoint of the same plan was taken with, which `restore` sets
+    micro_batches: Callable[[], tuple[tuple[int, ...], ...]] | None = None
+    resumed_micro_batches: tuple[tuple[int, ...], ...] | None = None
 
     def _param_names(self) -> dict[int, str]:
         return {id(t): name for name, t in self.tensors.items() if isinstance(t, torch.nn.Parameter)}
@@ -114,6 +121,8 @@ def collect(state: RankState, steps_done: int) -> dict[str, Any]:
     out.update({META + "step": steps_done, META + "seed": state.seed, META + "optimizer": state.optimizer_name,
                 META + "plan_digest": state.plan_digest})
     out.update(checkpoint_reshard.cut_entries(state.cuts))
+    if state.micro_batches is not None:
+        out[META + "micro_batches"] = ";".join(",".join(map(str, sizes)) for sizes in state.micro_batches())
     if isinstance(state.optimizer, OneBitAdamW):
         out[META + "onebit_freeze_step"] = state.optimizer.freeze_step
     return out
@@ -184,6 +193,9 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
         state.scaler.load_state_dict({k.removeprefix(SCALER): v for k, v in request.items() if k.startswith(SCALER)})
     if same_plan:
         _restore_rank_state(request, state)
+        saved = request.get(META + "micro_batches")
+        if isinstance(saved, str) and saved:
+            state.resumed_micro_batches = tuple(tuple(int(n) for n in sizes.split(",")) for sizes in saved.split(";"))
     elif state.rank == 0 and (state.plan_compresses or any(k.startswith(COMPRESSOR) for k in entries)):
         print(f"train.py: warning: {folder} was written by another plan: the gradient compressors' state "
               "(error feedback, PowerSGD's P and Q) starts fresh", file=sys.stderr, flush=True)

@@ -289,29 +289,42 @@ class Rebalancer:
 
     def _apply(self, step: int, proposal: Proposal) -> RebalanceRecord:
         """Verify the new shares everywhere; apply them on every rank, or on none (the record says why)."""
-        executor = self.executor
-        plan, ctx = executor.plan, executor.ctx
-        new_plan, new_ctx, graphs, why = plan, ctx, executor.graphs, None
-        try:
-            new_plan = verified(reshare(plan, proposal.shares.rows, proposal.shares.micro_batches), self.meta,
-                                executor.model_file)
-            new_ctx = dataclasses.replace(ctx, replica=new_plan.replicas[ctx.replica.index])
-            graphs = regraph(executor.graphs, ctx.stage.index, new_ctx.replica.micro_batch_sizes,
-                             executor.model_file, ctx.device)
-            why = comm_check.mismatch(new_plan, ctx.rank, comm_check.own_inputs(new_ctx, graphs, self.meta.module))
-        except HetplanError as exc:
-            why = f"rank {ctx.rank}: {exc.message}"
-        why = agree(why, ctx.rank, plan.world_size, ctx.device)     # refused anywhere: refused everywhere
+        plan = self.executor.plan
         proposed = reshare(plan, proposal.shares.rows, proposal.shares.micro_batches)
-        record = RebalanceRecord(
+        why = switch(self.executor, proposed, seed=self.seed, steps=self.steps)
+        return RebalanceRecord(
             step=step, old_shares=tuple(r.batch_share for r in plan.replicas), new_shares=proposal.shares.rows,
             new_micro_batch_sizes=tuple(r.micro_batch_sizes for r in proposed.replicas),
             seconds_per_row=tuple(s.seconds_per_row for s in proposal.speeds),
             seconds_per_micro_batch=tuple(s.seconds_per_micro_batch for s in proposal.speeds),
             predicted_old_s=proposal.current_s, predicted_new_s=proposal.shares.slowest_s,
             applied=why is None, refused=why)
-        if why is None:
-            rows = data.ReplicaData(executor.model_file, new_plan, ctx.replica.index, ctx.device,
-                                    needs=executor.data.needs, seed=self.seed, steps=self.steps)
-            executor.replace_plan(new_plan, new_ctx, graphs, rows)
-        return record
+
+
+def with_micro_batches(plan: Plan, sizes: tuple[tuple[int, ...], ...]) -> Plan:
+    """`plan` with each replica's micro-batches (and so its share) as `sizes` says, replica by replica."""
+    replicas = tuple(dataclasses.replace(r, batch_share=sum(rows), micro_batch_sizes=rows)
+                     for r, rows in zip(plan.replicas, sizes, strict=True))
+    return dataclasses.replace(plan, replicas=replicas)
+
+
+def switch(executor: StageExecutor, plan: Plan, *, seed: int, steps: int | None) -> str | None:
+    """Run the next steps by `plan` (the executor's, with other shares and micro-batches) on every rank, or
+    on none: verified as `plan` verifies one (step 3 of the module docstring), then applied (step 4).
+    Returns why it was refused, or None where it applies. Every rank calls it alike."""
+    ctx, meta = executor.ctx, executor.graphs.meta
+    why = None
+    try:
+        new_plan = verified(plan, meta, executor.model_file)
+        new_ctx = dataclasses.replace(ctx, replica=new_plan.replicas[ctx.replica.index])
+        graphs = regraph(executor.graphs, ctx.stage.index, new_ctx.replica.micro_batch_sizes,
+                         executor.model_file, ctx.device)
+        why = comm_check.mismatch(new_plan, ctx.rank, comm_check.own_inputs(new_ctx, graphs, meta.module))
+    except HetplanError as exc:
+        why = f"rank {ctx.rank}: {exc.message}"
+    why = agree(why, ctx.rank, executor.plan.world_size, ctx.device)     # refused anywhere: refused everywhere
+    if why is None:
+        rows = data.ReplicaData(executor.model_file, new_plan, ctx.replica.index, ctx.device,
+                                needs=executor.data.needs, seed=seed, steps=steps)
+        executor.replace_plan(new_plan, new_ctx, graphs, rows)
+    return why
