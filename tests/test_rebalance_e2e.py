@@ -4,6 +4,8 @@ still equals single-process training on the global batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from backends.torchdist.local_run import run_program
@@ -19,15 +21,21 @@ SEED, LR = 3, 1e-3
 DECIDED_BY_STEP = SLOW_FROM_STEP + 6
 
 
-@pytest.mark.slow
-def test_a_slowed_replica_loses_rows_and_training_stays_exact(tmp_path):
-    out = tmp_path / "out"
+def _mlp_plan(out: Path) -> Plan:
+    """The MLP in 2 stages x 2 replicas on cpu-hetero-4 (uneven shares), emitted to `out`."""
     proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
                         "--global-batch", "24", "--stages", "2", "--use-all-devices", "--micro-batch", "4",
                         "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     plan = Plan.load(out)
     assert len(plan.replicas) >= 2
+    return plan
+
+
+@pytest.mark.slow
+def test_a_slowed_replica_loses_rows_and_training_stays_exact(tmp_path):
+    out = tmp_path / "out"
+    plan = _mlp_plan(out)
     slowed = next(r.index for r in plan.replicas if SLOWED_DEVICE in (s.device_label for s in r.stages))
     outcome = run_program(plan, out / "program", out / "run",
                           ["--steps", str(STEPS), "--seed", str(SEED), "--lr", str(LR), "--optimizer", "adamw",
@@ -100,11 +108,7 @@ def test_a_run_resumed_after_a_rebalance_keeps_its_shares_bit_for_bit(tmp_path):
     trains on the rebalanced shares the checkpoint recorded (meta/micro_batches), not the plan's, so steps 12
     and 13 are those of the run that never stopped, bit for bit."""
     out = tmp_path / "out"
-    proc = run_plan_cli(str(EXAMPLES / "mlp" / "model.py"), "--cluster", str(CLUSTERS / "cpu-hetero-4.yaml"),
-                        "--global-batch", "24", "--stages", "2", "--use-all-devices", "--micro-batch", "4",
-                        "--no-runners-up", "-o", str(out))
-    assert proc.returncode == 0, proc.stderr
-    plan = Plan.load(out)
+    plan = _mlp_plan(out)
     flags = ["--seed", str(SEED), "--lr", str(LR), "--optimizer", "adamw", "--rebalance",
              "--fault", f"slow:{SLOWED_DEVICE}=3@{SLOW_FROM_STEP}", "--checkpoint-every", "12",
              "--checkpoint-dir", str(tmp_path / "ckpt")]
