@@ -16,6 +16,7 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
     rows            the rows of the global batch a replica trains on, cut into its micro-batches
     data            dataset() read through a DataLoader, by the ranks that need its inputs or targets
     stages          the model traced on meta per micro-batch size, split like the plan; this stage installed
+    tensor_parallel this rank's shard of the stage: its column/row pairs cut to 1/t, its slice of their weights
     p2p             point-to-point sends and receives between stages, with their message tags
     activations     activation compression on pipeline links (the wire format of each value)
     pipeline        the schedule executor: a stage's 1F1B / GPipe actions, forward and backward
@@ -24,6 +25,13 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
     precision       autocast per stage and plan-wide fp16 loss scaling
     gradsync        gradient groups: an exact or compressed all-reduce per group
     optimizers      AdamW, SGD, 1-bit Adam, and one step's gradient sync around loss scaling
+    zero            optimizer state sharded across a gradient group (ZeroRedundancyOptimizer)
+    rebalance       new batch shares when replicas drift (`--rebalance`), verified and applied without a restart
+    checkpoint      checkpoint folders: which is complete, which to resume from, pruning
+    checkpoint_save saving with DCP, in the background, a save complete once every rank's data is written
+    checkpoint_state what a checkpoint holds, by name, and restoring it into a rank of any plan
+    checkpoint_reshard a checkpoint of another tensor-parallel degree: the lanes' pieces put together, re-cut
+    faults          injected faults for the tests (`--fault`: kill, slow, crash in a save)
     memory          a rank's measured peak memory; the spec's device memory held on CPU ranks; running out in one line
     metrics         one JSON line per step and rank, written whole; `read_metrics` to read them back
     dry_run         a replica's stages built and run once on meta, as its ranks would start (`--dry-run`)
