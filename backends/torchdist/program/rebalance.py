@@ -328,3 +328,22 @@ def switch(executor: StageExecutor, plan: Plan, *, seed: int, steps: int | None)
                                 needs=executor.data.needs, seed=seed, steps=steps)
         executor.replace_plan(new_plan, new_ctx, graphs, rows)
     return why
+
+
+def micro_batches(executor: StageExecutor) -> tuple[tuple[int, ...], ...]:
+    """Each replica's micro-batch sizes the run trains with now (a rebalance changes the plan's)."""
+    return tuple(r.micro_batch_sizes for r in executor.plan.replicas)
+
+
+def resume_with(executor: StageExecutor, saved: tuple[tuple[int, ...], ...], *, seed: int,
+                steps: int | None) -> None:
+    """A checkpoint of this plan taken after a rebalance: train on with the micro-batches (so the shares) it
+    was taken with, switched to as a rebalance switches, so the run continues as it would have, bit for bit."""
+    if saved == micro_batches(executor):
+        return
+    why = switch(executor, with_micro_batches(executor.plan, saved), seed=seed, steps=steps)
+    if executor.ctx.rank == 0:
+        shares = [sum(sizes) for sizes in saved]
+        print(f"train.py: resumed with the shares {shares} the checkpoint was taken with" if why is None else
+              f"train.py: warning: the checkpoint's shares {shares} were refused ({why}): the plan's shares",
+              flush=True)

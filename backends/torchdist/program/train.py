@@ -215,10 +215,11 @@ def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Na
                                                 loss_scaling=executor.scaler is not None)
     # checkpoints and resume (checkpoint.py, checkpoint_state.py): the state restored in place, then saved
     state = _rank_state(plan, ctx, args, graphs, tensors, cuts, optimizer, grad_sync, executor.scaler)
-    state.micro_batches = functools.partial(_micro_batches, executor)
+    state.micro_batches = functools.partial(rebalance.micro_batches, executor)
     saver = _checkpointer(ctx, args, fault_set, state.plan_digest)
     first_step = _resume(ctx, args, state)
-    _resume_shares(executor, state, args)
+    if state.resumed_micro_batches is not None:      # the shares a checkpoint of this plan was taken with
+        rebalance.resume_with(executor, state.resumed_micro_batches, seed=args.seed, steps=args.steps)
     log = metrics.MetricsLog(args.out, ctx)
     for step in range(first_step, args.steps):
         fault_set.before_step(step, saver.wait if saver else lambda: None)   # an injected `kill` dies here
@@ -322,27 +323,6 @@ def _resume(ctx: process_group.Context, args: argparse.Namespace, state: checkpo
     if ctx.rank == 0:
         print(f"train.py: resumed from {folder} at step {first_step}", flush=True)
     return first_step
-
-
-def _micro_batches(executor: pipeline.StageExecutor) -> tuple[tuple[int, ...], ...]:
-    """Each replica's micro-batch sizes the run trains with now (a rebalance changes the plan's)."""
-    return tuple(r.micro_batch_sizes for r in executor.plan.replicas)
-
-
-def _resume_shares(executor: pipeline.StageExecutor, state: checkpoint_state.RankState,
-                   args: argparse.Namespace) -> None:
-    """A checkpoint of this plan taken after a rebalance: train on with the shares it was taken with (as a
-    rebalance applies them), so the run continues as it would have, bit for bit."""
-    saved = state.resumed_micro_batches
-    if saved is None or saved == _micro_batches(executor):
-        return
-    why = rebalance.switch(executor, rebalance.with_micro_batches(executor.plan, saved), seed=args.seed,
-                           steps=args.steps)
-    if executor.ctx.rank == 0:
-        shares = [sum(sizes) for sizes in saved]
-        print(f"train.py: resumed with the shares {shares} the checkpoint was taken with" if why is None else
-              f"train.py: warning: the checkpoint's shares {shares} were refused ({why}): the plan's shares",
-              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
