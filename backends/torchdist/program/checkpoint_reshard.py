@@ -82,21 +82,26 @@ def _cut(text: str, name: str, piece: tuple[int, ...], degree: int) -> ShardSpec
                      shape=(*piece[:dim], piece[dim] * degree, *piece[dim + 1:]))
 
 
-def find_pieces(entries: Mapping[str, Any], prefix: str, name: str, own: ShardSpec | None, cuts: Mapping[str, str],
-                folder: Path) -> Pieces | None:
+def saved_lanes(entries: Mapping[str, Any], prefix: str) -> dict[str, dict[int, set[int]]]:
+    """Base name -> degree -> the lanes whose shards a checkpoint holds under `prefix` (read once per restore)."""
+    out: dict[str, dict[int, set[int]]] = {}
+    for key in entries:
+        if key.startswith(prefix):
+            base, lane, degree = split_name(key.removeprefix(prefix))
+            if degree > 1:
+                out.setdefault(base, {}).setdefault(degree, set()).add(lane)
+    return out
+
+
+def find_pieces(entries: Mapping[str, Any], prefix: str, lanes: Mapping[str, Mapping[int, set[int]]], name: str,
+                own: ShardSpec | None, cuts: Mapping[str, str], folder: Path) -> Pieces | None:
     """Where the tensor saved as `name` by this rank lies in a checkpoint of another degree (`entries`: the
-    checkpoint's metadata, `prefix`: model/, `own`: this rank's cut of it, `cuts`: the checkpoint's meta/tp/
-    entries); None where the checkpoint has no piece of it at any degree."""
+    checkpoint's metadata, `prefix`: model/, `lanes`: its `saved_lanes` under it, `own`: this rank's cut of
+    it, `cuts`: the checkpoint's meta/tp/ entries); None where the checkpoint has no piece of it at any degree."""
     base, lane, degree = split_name(name)
     if prefix + base in entries:
         return Pieces(name, (prefix + base,), None, own, lane, degree, tuple(entries[prefix + base].size))
-    lanes: dict[int, set[int]] = {}
-    for key in entries:
-        if key.startswith(prefix):
-            other, j, t = split_name(key.removeprefix(prefix))
-            if other == base and t > 1:
-                lanes.setdefault(t, set()).add(j)
-    whole = [t for t, seen in sorted(lanes.items()) if seen == set(range(t))]
+    whole = [t for t, seen in sorted(lanes.get(base, {}).items()) if seen == set(range(t))]
     if not whole:
         return None
     saved = whole[0]

@@ -183,7 +183,8 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
     meta = {key: request.pop(key) for key in [k for k in request if k.startswith(META)]}
     _load(folder, meta)                                   # the run's kind first: nothing changed if it differs
     _check_run(folder, meta, state)
-    pieces = [_pieces(folder, entries, meta, state, name) for name in moved]   # all found before any is read
+    lanes = checkpoint_reshard.saved_lanes(entries, MODEL) if moved else {}
+    pieces = [_pieces(folder, entries, lanes, meta, state, name) for name in moved]   # all found before any is read
     _load(folder, request)
     request.update(meta)
     request.update(_resharded(folder, entries, state, pieces, set(held)))
@@ -202,11 +203,12 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
     return int(request[META + "step"])
 
 
-def _pieces(folder: Path, entries: Mapping[str, Any], meta: Mapping[str, Any], state: RankState,
-            name: str) -> checkpoint_reshard.Pieces:
-    """Where the tensor this rank saves as `name` lies in a checkpoint of another tensor-parallel degree."""
+def _pieces(folder: Path, entries: Mapping[str, Any], lanes: Mapping[str, Mapping[int, set[int]]],
+            meta: Mapping[str, Any], state: RankState, name: str) -> checkpoint_reshard.Pieces:
+    """Where the tensor this rank saves as `name` lies in a checkpoint of another tensor-parallel degree
+    (`lanes`: checkpoint_reshard.saved_lanes of its model entries)."""
     base = checkpoint_reshard.split_name(name)[0]
-    pieces = checkpoint_reshard.find_pieces(entries, MODEL, name, state.cuts.get(base), meta, folder)
+    pieces = checkpoint_reshard.find_pieces(entries, MODEL, lanes, name, state.cuts.get(base), meta, folder)
     if pieces is None:
         raise CheckpointError(f"the checkpoint holds no tensor {base}, which this rank trains", file=str(folder),
                               fix="resume from a checkpoint of this model")

@@ -155,9 +155,8 @@ def reshare(plan: Plan, shares: tuple[int, ...], micro_batches: tuple[int, ...] 
     `micro_batches` (default: its planned one) by the planner's rule; stages, devices and schedules as
     they are (its `comm` record: the old one until verified again)."""
     sizes = micro_batches or tuple(max(r.micro_batch_sizes) for r in plan.replicas)
-    replicas = tuple(dataclasses.replace(r, batch_share=rows, micro_batch_sizes=micro_batch_sizes(rows, size))
-                     for r, rows, size in zip(plan.replicas, shares, sizes, strict=True))
-    return dataclasses.replace(plan, replicas=replicas)
+    return with_micro_batches(plan, tuple(micro_batch_sizes(rows, size)
+                                          for rows, size in zip(shares, sizes, strict=True)))
 
 
 def verified(plan: Plan, meta: MetaModel, model_file: frontend.ModelFile) -> Plan:
@@ -261,7 +260,7 @@ class Rebalancer:
 
     def __init__(self, executor: StageExecutor, *, seed: int, steps: int | None,
                  trigger: Trigger | None = None) -> None:
-        self.executor, self.meta, self.seed, self.steps = executor, executor.graphs.meta, seed, steps
+        self.executor, self.seed, self.steps = executor, seed, steps
         self.trigger = trigger or Trigger()
         self.planned = executor.plan        # its memory estimates bound every later plan's micro-batches
 
