@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from backends.torchdist.reference import train_reference
 from passes.tensor_parallel import find_regions, unshard
@@ -148,3 +149,24 @@ def test_a_tp_zero_checkpoint_resumes_without_tensor_parallelism_as_one_process(
             for name in (n for n in st.params if n in ref.params):
                 rel = float((final[name] - ref.params[name]).norm() / ref.params[name].norm().clamp_min(1e-6))
                 assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"
+    _check_whole_weights_of(tmp_path, source, tmp_path / "first" / "ckpt", target, flags)
+
+
+def _check_whole_weights_of(tmp_path, source, ckpt, target, flags) -> None:
+    """The TP=2 checkpoint after 3 steps as whole weights: `plan export --safetensors` writes one process's
+    parameters after 3 steps, and a run of another plan started from it (`--weights CKPT`, a fresh
+    optimizer) has the first loss of one process started from the exported files."""
+    weights_dir = tmp_path / "weights"
+    proc = run_plan_cli("export", str(source), "--safetensors", str(weights_dir), "--checkpoint", str(ckpt))
+    assert proc.returncode == 0, proc.stderr
+    exported = load_file(weights_dir / "model.safetensors")
+    ref = train_reference(str(EXAMPLES / "gpt" / "model.py"), global_batch=16, steps=3, seed=SEED, lr=LR,
+                          optimizer="sgd")
+    assert sorted(exported) == sorted(ref.params)
+    for name, tensor in exported.items():
+        rel = float((tensor - ref.params[name]).norm() / ref.params[name].norm().clamp_min(1e-6))
+        assert rel <= 1e-5, f"{name}: relative error {rel:.2e}"
+    train_program(target / "program", tmp_path / "fresh", 1, *flags, "--weights", str(ckpt))
+    fresh = train_reference(str(EXAMPLES / "gpt" / "model.py"), global_batch=16, steps=1, seed=SEED, lr=LR,
+                            optimizer="sgd", weights_path=weights_dir)
+    assert losses_by_step(tmp_path / "fresh")[0] == pytest.approx(fresh.losses[0], rel=1e-5)

@@ -114,10 +114,15 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     run_dir = out / "run"
     faults = _check_recovery_options(args, plan, run_dir)
+    if args.weights is not None:
+        check_weights_file(plan, program, Path(args.weights))
     if not args.resume:
         kept = keep_previous_run(run_dir)
         if kept is not None:
             print(f"plan run: the previous run is kept in {kept}", flush=True)
+            # a checkpoint of that run (`--weights out/run/ckpt`) is read where it went
+            args.weights = _moved(args.weights, run_dir, kept)
+            args.resume_from = _moved(args.resume_from, run_dir, kept)
     train_args = ["--steps", str(args.steps), "--seed", str(args.seed)]
     if args.lr is not None:
         train_args += ["--lr", repr(args.lr)]
@@ -128,7 +133,6 @@ def cmd_run(argv: list[str]) -> int:
     if args.data is not None:
         train_args += ["--data", str(Path(args.data).resolve())]
     if args.weights is not None:
-        check_weights_file(plan, program, Path(args.weights))
         train_args += ["--weights", str(Path(args.weights).resolve())]
     train_args += _recovery_args(args)
     if args.elastic:
@@ -173,6 +177,16 @@ def _check_recovery_options(args: argparse.Namespace, plan: Plan, run_dir: Path)
     found = [faults.parse(text) for text in args.fault]
     faults.check_devices(found, plan.devices)
     return found
+
+
+def _moved(path: str | Path | None, run_dir: Path, kept: Path) -> Path | None:
+    """`path` after the run folder `run_dir` moved to `kept`: the same place inside `kept` if it was inside."""
+    if path is None:
+        return None
+    try:
+        return kept.resolve() / Path(path).resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        return Path(path)
 
 
 def _recovery_args(args: argparse.Namespace) -> list[str]:

@@ -13,6 +13,7 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
     seeds           generator seeds derived from the run's seed (module inits, data order)
     materialise     the model built on meta; only this rank's tensors given values (the init contract)
     weights         pretrained weights: this rank's tensors read from safetensors / Hugging Face / DCP files
+    weight_names    which checkpoint name each model tensor is read from (one prefix rewrite, tied aliases)
     rows            the rows of the global batch a replica trains on, cut into its micro-batches
     data            dataset() read through a DataLoader, by the ranks that need its inputs or targets
     stages          the model traced on meta per micro-batch size, split like the plan; this stage installed
@@ -31,6 +32,7 @@ and `launch.sh` (backends.torchdist.emit). Everything that differs between plans
     checkpoint_save saving with DCP, in the background, a save complete once every rank's data is written
     checkpoint_state what a checkpoint holds, by name, and restoring it into a rank of any plan
     checkpoint_reshard a checkpoint of another tensor-parallel degree: the lanes' pieces put together, re-cut
+    checkpoint_weights a checkpoint read as the whole model's tensors (--weights; `plan export --safetensors`)
     faults          injected faults for the tests (`--fault`: kill, slow, crash in a save)
     memory          a rank's measured peak memory; the spec's device memory held on CPU ranks; running out in one line
     metrics         one JSON line per step and rank, written whole; `read_metrics` to read them back

@@ -54,6 +54,11 @@ def step_of(folder: Path) -> int:
     return int(found[1])
 
 
+def is_step_folder(folder: Path) -> bool:
+    """Whether `folder` is named as a checkpoint of one step (`step_<N>`), complete or not."""
+    return _STEP_FOLDER.match(folder.name) is not None
+
+
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """The COMPLETE marker of `folder`, or None where there is none (or it is unreadable)."""
     try:

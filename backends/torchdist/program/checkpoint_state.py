@@ -139,7 +139,7 @@ def read_metadata(folder: Path) -> Metadata:
                               fix="resume from another checkpoint") from exc
 
 
-def _empty_like_entry(entry: Any) -> Any:
+def empty_like_entry(entry: Any) -> Any:
     """A tensor DCP can fill for a tensor entry; None for a plain value (DCP replaces it)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -177,15 +177,15 @@ def restore(folder: Path, state: RankState, *, keep_freeze_step: bool = False) -
     mine = (f"{COMPRESSOR}", f"{RNG}rank{state.rank}/", SCALER, META)
     for key, entry in entries.items():
         if key.startswith(OPTIM) and any(key.startswith(p) for p in wanted_prefixes):
-            request[key] = _empty_like_entry(entry)
+            request[key] = empty_like_entry(entry)
         elif key.startswith(mine) and (not key.startswith(COMPRESSOR) or f"/rank{state.rank}/" in key):
-            request[key] = _empty_like_entry(entry)
+            request[key] = empty_like_entry(entry)
     meta = {key: request.pop(key) for key in [k for k in request if k.startswith(META)]}
-    _load(folder, meta)                                   # the run's kind first: nothing changed if it differs
+    load_entries(folder, meta)                            # the run's kind first: nothing changed if it differs
     _check_run(folder, meta, state)
     lanes = checkpoint_reshard.saved_lanes(entries, MODEL) if moved else {}
     pieces = [_pieces(folder, entries, lanes, meta, state, name) for name in moved]   # all found before any is read
-    _load(folder, request)
+    load_entries(folder, request)
     request.update(meta)
     request.update(_resharded(folder, entries, state, pieces, set(held)))
     same_plan = request[META + "plan_digest"] == state.plan_digest
@@ -229,14 +229,14 @@ def _resharded(folder: Path, entries: Mapping[str, Any], state: RankState, moved
     for pieces in moved:
         tensor = state.tensors[pieces.name]
         value, optim = checkpoint_reshard.read(pieces, entries, OPTIM if pieces.name in held else None,
-                                               lambda request: _load(folder, request), _empty_like_entry)
+                                               lambda request: load_entries(folder, request), empty_like_entry)
         with torch.no_grad():
             tensor.copy_(value)
         out.update({f"{OPTIM}{pieces.name}/{key}": v for key, v in optim.items()})
     return out
 
 
-def _load(folder: Path, request: dict[str, Any]) -> None:
+def load_entries(folder: Path, request: dict[str, Any]) -> None:
     """DCP's load of `request`'s names from `folder` by this process alone (`no_dist`: in a process with
     a group, DCP's load is otherwise collective), in place: tensors filled, plain values replaced."""
     import torch.distributed.checkpoint as dcp

@@ -2,7 +2,9 @@
 
 `open_weights` recognises a `.safetensors` file, a Hugging Face model directory (`model.safetensors`, or
 shards listed by `model.safetensors.index.json`) and a torch.distributed.checkpoint (DCP) directory
-(`.metadata`, a pickle: DCP's own format, so open only checkpoints you trust), reading headers only;
+(`.metadata`, a pickle: DCP's own format, so open only checkpoints you trust), among them the training
+program's own checkpoints (a `step_<N>` folder or its root: the model's tensors, whole, however many
+tensor-parallel shards they were saved in; checkpoint_weights.py), reading headers only;
 `load_into` reads the bytes of a rank's tensors only, from the files holding them only. A model file that
 wraps the Hugging Face model adds a prefix (`lm.model.norm.weight`), a checkpoint may carry one the model
 lacks (`transformer.`): `match_names` decides one prefix rewrite over all names, the same on every rank.
@@ -20,7 +22,6 @@ import pickle
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -28,13 +29,19 @@ import torch
 
 from planner.core.errors import HetplanError
 
-TensorInfo = tuple[tuple[int, ...], torch.dtype]     # (shape, dtype) of one tensor
+from .weight_names import (  # noqa: F401  (the names are read as weights.<name>)
+    PrefixRewrite,
+    TensorInfo,
+    choose_rewrite,
+    match_names,
+    model_tensors,
+    tied_aliases,
+)
 
 SAFETENSORS_SUFFIX = ".safetensors"
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
 DCP_METADATA_FILE = ".metadata"
-MAX_PREFIX_PARTS = 3                         # a rewrite's prefix: at most this many leading name parts
 FORMATS = ("a .safetensors file, a Hugging Face model directory (model.safetensors or "
            "model.safetensors.index.json) or a torch.distributed.checkpoint directory (.metadata)")
 
@@ -180,6 +187,41 @@ class DcpSource(WeightsSource):
         return sum(math.prod(self._infos[name][0]) * self._infos[name][1].itemsize for name in targets)
 
 
+class ProgramCheckpointSource(WeightsSource):
+    """A checkpoint of the training program (`plan run --checkpoint-every`): a step_<N> folder, or its root
+    (the latest complete step), read as the whole model's tensors (checkpoint_weights.TrainedModel: the
+    optimizer's entries left out, tensor-parallel shards put together)."""
+
+    def __init__(self, path: Path) -> None:
+        from .checkpoint import CheckpointError
+        from .checkpoint_weights import TrainedModel
+
+        try:
+            self.model = TrainedModel(path)
+        except CheckpointError as exc:
+            raise WeightsError(exc.message, file=exc.file or str(path), fix=exc.fix) from exc
+        super().__init__(path, self.model.folder)
+        self._infos = self.model.tensors()
+
+    def tensor_names(self) -> list[str]:
+        return list(self._infos)
+
+    def infos(self, names: Collection[str]) -> dict[str, TensorInfo]:
+        return {name: self._infos[name] for name in names}
+
+    def read_into(self, targets: Mapping[str, Sequence[torch.Tensor]]) -> int:
+        from .checkpoint import CheckpointError
+
+        read_bytes = 0
+        try:
+            for name, tensor in self.model.read(list(targets)):
+                read_bytes += tensor.numel() * tensor.element_size()
+                _copy_into(tensor, targets[name])
+        except CheckpointError as exc:
+            raise WeightsError(exc.message, file=exc.file or str(self.listing), fix=exc.fix) from exc
+        return read_bytes
+
+
 def _copy_into(tensor: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
     """Copy one checkpoint tensor into each target, cast to its dtype, on its device."""
     with torch.no_grad():
@@ -235,12 +277,23 @@ def _hf_index(directory: Path) -> dict[str, Path]:
     return {name: directory / shard for name, shard in weight_map.items()}
 
 
+def is_program_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint of the training program: a step_<N> folder (complete or not: reading
+    an incomplete one is refused by name), or a folder holding complete ones."""
+    from . import checkpoint
+
+    named = checkpoint.is_step_folder(path) and (path / DCP_METADATA_FILE).is_file()
+    return named or checkpoint.latest_complete(path) is not None
+
+
 def open_weights(path: Path) -> WeightsSource:
     """The checkpoint at `path`, by its headers only; a WeightsError if it is none of the formats read."""
     path = Path(path)
     if path.is_file() and path.suffix == SAFETENSORS_SUFFIX:
         return SafetensorsSource(path, dict.fromkeys(read_safetensors_header(path), path), path)
     if path.is_dir():
+        if is_program_checkpoint(path):
+            return ProgramCheckpointSource(path)
         if (path / DCP_METADATA_FILE).is_file():
             return DcpSource(path)
         if (path / HF_INDEX_FILE).is_file():
@@ -253,87 +306,6 @@ def open_weights(path: Path) -> WeightsSource:
     bin_hint = " (PyTorch .bin weights are not read: save them with safetensors)" if is_bin else ""
     raise WeightsError(f"{what}, not {FORMATS}{bin_hint}", file=str(path),
                        fix="pass --weights a safetensors file, a Hugging Face model directory or a DCP directory")
-
-
-# ----------------------------------------------------------------------------- names
-
-
-@dataclass(frozen=True)
-class PrefixRewrite:
-    """Every model name is looked up with `checkpoint_prefix` in place of its `model_prefix`; one without it
-    has no name (None): renaming only the names that match could turn a leaf into another (`lm_head.` ->
-    `model.norm.`)."""
-
-    model_prefix: str = ""
-    checkpoint_prefix: str = ""
-
-    def __call__(self, name: str) -> str | None:
-        if not name.startswith(self.model_prefix):
-            return None
-        return self.checkpoint_prefix + name[len(self.model_prefix):]
-
-
-def _prefixes(names: Collection[str]) -> set[str]:
-    """The leading parts (`model.`, `model.model.`) of names, up to the first numbered part (a layer index)."""
-    out = {""}
-    for name in names:
-        parts = name.split(".")[:-1]
-        for count in range(1, min(len(parts), MAX_PREFIX_PARTS) + 1):
-            if parts[count - 1].isdigit():
-                break
-            out.add(".".join(parts[:count]) + ".")
-    return out
-
-
-def _lookup(name: str, rewrite: PrefixRewrite, checkpoint: Collection[str],
-            aliases: Mapping[str, Sequence[str]]) -> str | None:
-    """The checkpoint name that satisfies model name `name`: its own, else its first alias present."""
-    for candidate in (name, *aliases.get(name, ())):
-        rewritten = rewrite(candidate)
-        if rewritten is not None and rewritten in checkpoint:
-            return rewritten
-    return None
-
-
-def choose_rewrite(checkpoint_names: Collection[str], model_names: Collection[str],
-                   aliases: Mapping[str, Sequence[str]]) -> PrefixRewrite:
-    """The one prefix rewrite under which most model names are found, of every pair of leading parts of a
-    model and a checkpoint name; ties go to the shortest prefixes (so exact names, when they all are
-    found), then the alphabet."""
-    checkpoint = set(checkpoint_names)
-    candidates = [PrefixRewrite(m, c) for m in sorted(_prefixes(model_names))
-                  for c in sorted(_prefixes(checkpoint)) if m != c]
-
-    def rank(rewrite: PrefixRewrite) -> tuple[int, int, str, str]:
-        found = sum(1 for name in model_names if _lookup(name, rewrite, checkpoint, aliases))
-        length = len(rewrite.model_prefix) + len(rewrite.checkpoint_prefix)
-        return -found, length, rewrite.model_prefix, rewrite.checkpoint_prefix
-
-    return min([PrefixRewrite(), *candidates], key=rank)
-
-
-def match_names(checkpoint_names: Collection[str], model_names: Collection[str],
-                aliases: Mapping[str, Sequence[str]]) -> dict[str, str]:
-    """Model name -> checkpoint name of every model name found under `choose_rewrite`'s rewrite (a name it
-    lacks is found under none of its names). Both lists are whole (every tensor of the checkpoint, every
-    one of the whole model), so every rank decides the same mapping."""
-    rewrite, checkpoint = choose_rewrite(checkpoint_names, model_names, aliases), set(checkpoint_names)
-    found = {name: _lookup(name, rewrite, checkpoint, aliases) for name in model_names}
-    return {name: match for name, match in found.items() if match is not None}
-
-
-def model_tensors(module: torch.nn.Module) -> dict[str, TensorInfo]:
-    """(shape, dtype) of each tensor of `module`'s state dict (tied ones under every name); works on meta."""
-    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in module.state_dict(keep_vars=True).items()}
-
-
-def tied_aliases(module: torch.nn.Module) -> dict[str, list[str]]:
-    """Every tied tensor's other names (`lm_head.weight` -> [`model.embed_tokens.weight`]); works on meta."""
-    groups: dict[int, list[str]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-    return {name: [other for other in group if other != name]
-            for group in groups.values() if len(group) > 1 for name in group}
 
 
 # ----------------------------------------------------------------------------- check and load
