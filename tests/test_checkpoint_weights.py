@@ -200,3 +200,31 @@ def test_a_run_starts_from_the_checkpoint_of_the_run_it_replaces(tmp_path):
     assert {m["step"] for m in metrics} == {0}
     for m in metrics:
         assert m["loss"] == pytest.approx(ref.losses[0], rel=1e-5)
+
+
+def test_transformers_from_pretrained_reads_the_export_of_a_wrapped_model(tmp_path):
+    """The hf_llama example wraps LlamaForCausalLM as `self.lm`: exported with --strip-prefix lm. in shards,
+    beside the model's config, `from_pretrained` gives back every trained value."""
+    transformers = pytest.importorskip("transformers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_llama_export", EXAMPLES / "hf_llama" / "model.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(3)
+    trained = example.model()
+    folder = checkpoint.step_folder(tmp_path / "ckpt", 1)
+    entries = {checkpoint_state.MODEL + name: t.detach() for name, t in trained.state_dict().items()}
+    dcp.save({**entries, checkpoint_state.META + "step": 1}, storage_writer=dcp.FileSystemWriter(str(folder)),
+             no_dist=True)
+    checkpoint.write_marker(folder, 1, "plan", 1)
+    out = tmp_path / "hf"
+    out.mkdir()
+    done = export_weights(tmp_path / "ckpt", trained, out, max_shard_bytes=100_000, strip_prefix="lm.")
+    assert len(done.files) > 1 and (out / INDEX_FILE).is_file()
+    transformers.LlamaConfig(**example.CONFIG).save_pretrained(out)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out)
+    for name, tensor in trained.lm.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(WeightsError, match="does not start with 'model.'"):
+        export_weights(tmp_path / "ckpt", trained, tmp_path, strip_prefix="model.")

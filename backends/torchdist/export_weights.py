@@ -61,10 +61,12 @@ def cut_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 
 def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
-                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> ExportedWeights:
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
+                   strip_prefix: str = "") -> ExportedWeights:
     """Write the model tensors of `checkpoint` (a step_<N> folder or a checkpoint root: its latest complete
     one) into `out_dir` (an existing, empty directory) as safetensors, in `module`'s state-dict order (the
-    model built on meta), cast to `dtype` (None: as saved)."""
+    model built on meta), cast to `dtype` (None: as saved), each name without `strip_prefix` (a wrapper's
+    `lm.`: the wrapped model's own names; every name must start with it)."""
     try:
         from safetensors.torch import save_file
     except ImportError as exc:
@@ -78,11 +80,15 @@ def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
     canonical = checkpoint_state.canonical_names(module)
     found = weights.match_names(list(saved), list(expected), aliases)
     order = {name: found[name] for name in expected if canonical[name] == name}      # model name -> saved name
+    outside = next((name for name in order if not name.startswith(strip_prefix)), None)
+    if outside is not None:
+        raise weights.WeightsError(f"tensor {outside} does not start with {strip_prefix!r}", field="--strip-prefix",
+                                   fix="pass a prefix every name of the model starts with, or none")
     sizes = {name: math.prod(saved[source][0]) * (dtype or saved[source][1]).itemsize for name, source in order.items()}
     shards = cut_shards(sizes, max_shard_bytes)
     files = [out_dir / file for file in shard_names(len(shards))]
     for names, file in zip(shards, files):
-        by_source = {order[name]: name for name in names}
+        by_source = {order[name]: name.removeprefix(strip_prefix) for name in names}
         tensors = {by_source[source]: (tensor if dtype is None else tensor.to(dtype)).contiguous()
                    for source, tensor in trained.read(list(by_source))}
         save_file(tensors, str(file), metadata={"format": "pt"})
@@ -90,7 +96,8 @@ def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
     total = sum(sizes.values())
     if len(files) > 1:
         index = {"metadata": {"total_size": total},
-                 "weight_map": {name: file.name for names, file in zip(shards, files) for name in names}}
+                 "weight_map": {name.removeprefix(strip_prefix): file.name
+                                for names, file in zip(shards, files) for name in names}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return ExportedWeights(trained.folder, trained.step, tuple(files), len(order), total)
 

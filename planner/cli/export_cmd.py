@@ -51,6 +51,9 @@ def export_parser() -> argparse.ArgumentParser:
                         "(default: save_pretrained's 5 GB)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="with --safetensors: cast every tensor (default: as trained)")
+    p.add_argument("--strip-prefix", default="", metavar="PREFIX",
+                   help="with --safetensors: write each name without PREFIX, e.g. `lm.` for a model file that "
+                        "wraps a Hugging Face model as self.lm (its from_pretrained then reads the files)")
     p.add_argument("--micro-batch", type=int, default=None, metavar="ROWS",
                    help="trace every stage at this many rows (default: each replica's first micro-batch size)")
     p.add_argument("--seed", type=int, default=0, help="weights of `torch.manual_seed(SEED); model()`")
@@ -126,7 +129,8 @@ def _export_weights(args: argparse.Namespace, plan: Plan) -> int:
     done: list[ExportedWeights] = []
 
     def fill(tmp: Path) -> None:
-        done.append(export_weights(checkpoint, meta.module, tmp, max_shard_bytes=max_bytes, dtype=dtype))
+        done.append(export_weights(checkpoint, meta.module, tmp, max_shard_bytes=max_bytes, dtype=dtype,
+                                   strip_prefix=args.strip_prefix))
 
     write_atomically(Path(args.safetensors), fill, inputs=[plan_file(args.out), model_path, checkpoint],
                      force=args.force)
