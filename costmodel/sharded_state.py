@@ -56,4 +56,5 @@ def _class_at(table: ClassTable, tables: CostTables, z: int) -> ClassTable:
         tensors = tables.param_tensors[b] if tables.param_tensors else 1
         opt.append(step_s / z + allgather_s(params, z, tables.inter_bandwidth_bytes_s, 0.0)
                    + tensors * tables.inter_latency_s * (1.0 if z > 1 else 0.0))
-    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_s=tuple(opt), zero_group=z)
+    tied = tuple((a, b, n - moment_bytes(n, table.precision) * (1 - 1 / z)) for a, b, n in table.tied_state)
+    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_s=tuple(opt), zero_group=z, tied_state=tied)

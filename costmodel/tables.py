@@ -7,6 +7,7 @@ per block. The search never sees torch objects or the spec, only these tables.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from costmodel import calibrated, compute, memory
@@ -47,6 +48,17 @@ class ClassTable:
     # per block, per sample: the backward's working set where the block is a stage's largest (memory.
     # backward_transient_bytes); a stage holds its blocks' largest once per micro-batch. () in synthetic tables: none
     transient_bytes: tuple[float, ...] = ()
+    # a tied parameter's state counted again by its next reader: (a reader block, the next reader block, the
+    # parameter's state bytes in state_bytes); a device holding both holds one copy (`held_state_bytes`)
+    tied_state: tuple[tuple[int, int, float], ...] = ()
+
+    def held_state_bytes(self, ranges: Iterable[range]) -> float:
+        """The training state of a device holding the blocks of `ranges` (one stage's, or each chunk's under
+        interleaved 1F1B): every block's, less each tied parameter counted again by a reader it also holds."""
+        ranges = list(ranges)
+        total = sum(sum(self.state_bytes[r.start:r.stop]) for r in ranges)
+        return total - sum(nbytes for a, b, nbytes in self.tied_state
+                           if any(a in r for r in ranges) and any(b in r for r in ranges))
 
     @property
     def intra_link(self) -> Link:
@@ -131,7 +143,8 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
             boundary_bytes=boundary, optimizer_s=opt, transient_bytes=working,
             intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,
             intra_latency_s=intra.latency_s, price_per_hour=dev.price_per_hour,
-            collective=None if ring is None else (ring.bandwidth_bytes_s, ring.latency_s)))
+            collective=None if ring is None else (ring.bandwidth_bytes_s, ring.latency_s),
+            tied_state=tuple((a, b, memory.state_bytes(nbytes, prec)) for a, b, nbytes in tied_pairs(blocks))))
     inter: Link = calibrated.inter_link(spec, calibration)
     return CostTables(
         global_batch=global_batch, num_blocks=len(blocks), classes=tuple(classes),
@@ -141,6 +154,13 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         block_signatures=tuple(b.signature for b in blocks), tied=tied_parameters(blocks),
         param_tensors=tuple(len(b.params) for b in blocks),
         memory_margin=memory_margin)
+
+
+def tied_pairs(blocks: list[Block]) -> tuple[tuple[int, int, float], ...]:
+    """Each tied parameter's consecutive readers, with its fp32 bytes: a contiguous range of blocks holding
+    k of its readers holds k - 1 of these pairs, the copies it counts too many."""
+    return tuple((readers[i], readers[i + 1], nbytes) for readers, nbytes in tied_parameters(blocks)
+                 for i in range(len(readers) - 1))
 
 
 def tied_parameters(blocks: list[Block]) -> tuple[tuple[tuple[int, ...], float], ...]:

@@ -175,7 +175,7 @@ def test_recorded_memory_is_the_need_the_split_checked_with_the_calibrated_frame
             blocks = range(st.first_block, st.last_block + 1)
             in_flight = memory.in_flight_micro_batches(replica.schedule, st.index, S, M)
             rows = replica.micro_batch_sizes[0]
-            state = sum(table.state_bytes[b] for b in blocks)
+            state = table.held_state_bytes([blocks])           # the tied embedding once
             act = sum(table.act_bytes[b] for b in blocks) * rows * in_flight
             act += max(table.transient_bytes[b] for b in blocks) * rows       # one micro-batch's backward
             assert not st.recompute

@@ -158,8 +158,7 @@ def _priced_parts(tables: CostTables, cfg: Config, s: int, need_bytes: float) ->
     devices = len(cfg.device_classes)
     table = tables.classes[cfg.classes[s]]
     bounds = cfg.split.bounds
-    state = sum(sum(tables.classes[cfg.classes[k]].state_bytes[bounds[k]:bounds[k + 1]])
-                for k in range(s % devices, cfg.num_stages, devices))
+    state = table.held_state_bytes(range(bounds[k], bounds[k + 1]) for k in range(s % devices, cfg.num_stages, devices))
     optimizer = sharded_state.optimizer_part_bytes(state, table.precision, table.zero_group)
     return state, optimizer, need_bytes - state - table.framework_bytes
 

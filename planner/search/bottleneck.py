@@ -39,6 +39,7 @@ class LaneArrays:
     framework_bytes: float
     capacity_bytes: float
     recompute: bool                # a stage that does not fit otherwise recomputes
+    tied_state: tuple[tuple[int, int, float], ...] = ()   # ClassTable.tied_state: a range holding both counts one less
 
 
 def bottleneck_bounds(lanes: list[LaneArrays], num_stages: int,
@@ -90,6 +91,8 @@ class _Square:
         self.range_s = diff(ln.pre_s)
         self.range_recompute_s = diff(ln.pre_recompute_s) if ln.recompute else self.range_s
         self.state = diff(ln.pre_state_bytes)
+        for a, b, nbytes in ln.tied_state:    # ranges (start <= a, end > b) hold both readers of a tied parameter
+            self.state[:a + 1, b + 1:] -= nbytes
         self.act = diff(ln.pre_act_bytes)
         # the largest working set over each range: row `start`, column `end` is the max over blocks start..end-1
         n = len(ln.transient_bytes)

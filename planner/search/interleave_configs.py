@@ -137,7 +137,7 @@ def device_need_bytes(table: ClassTable, bounds: tuple[int, ...], micro_batch: i
         else:
             peak = max(sum(n * acts[c * devices + d] for c, n in enumerate(vector)) for vector in counts)
             activations = peak + working * micro_batch
-        state = sum(sum(table.state_bytes[bounds[k]:bounds[k + 1]]) for k in own)
+        state = table.held_state_bytes(range(bounds[k], bounds[k + 1]) for k in own)
         out.append(memory.need_bytes(state, activations, table.framework_bytes))
     return out
 

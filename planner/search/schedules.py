@@ -40,7 +40,7 @@ def gpipe_max_micro_batches(tables: CostTables, config: Config) -> int:
     for s, ci in enumerate(config.classes):
         table, blocks = tables.classes[ci], range(sp.bounds[s], sp.bounds[s + 1])
         recompute = sp.stage_recompute[s]
-        state = sum(table.state_bytes[b] for b in blocks)
+        state = table.held_state_bytes([blocks])
         fixed = state + kept_activation_bytes(table, blocks, m, 0, recompute)
         each = kept_activation_bytes(table, blocks, m, 1, recompute) - kept_activation_bytes(
             table, blocks, m, 0, recompute)
@@ -56,7 +56,7 @@ def gpipe_max_micro_batches(tables: CostTables, config: Config) -> int:
 def stage_need_bytes(table: ClassTable, blocks: range, micro_batch: int, in_flight: int, recompute: bool) -> float:
     """A stage's peak need before compressor state (costmodel.memory.need_bytes) with `in_flight`
     micro-batches' activations kept."""
-    return memory.need_bytes(sum(table.state_bytes[b] for b in blocks),
+    return memory.need_bytes(table.held_state_bytes([blocks]),
                              kept_activation_bytes(table, blocks, micro_batch, in_flight, recompute),
                              table.framework_bytes)
 

@@ -147,7 +147,7 @@ def costs_per_stage(stage_tables: list[ClassTable], bounds: tuple[int, ...], mic
     stage_input: dict[int, float] = {}      # per table: the largest boundary (what recompute keeps)
     for s, table in enumerate(stage_tables):
         lo, hi = bounds[s], bounds[s + 1]
-        state, act = sum(table.state_bytes[lo:hi]), sum(table.act_bytes[lo:hi])
+        state, act = table.held_state_bytes([range(lo, hi)]), sum(table.act_bytes[lo:hi])
         working = stage_transient_bytes(table, lo, hi)
         mem = memory.need_bytes(state, memory.kept_activation_bytes(act, 0.0, working, micro_batch, S - s, False),
                                 table.framework_bytes)
@@ -198,8 +198,10 @@ def fits_greedily(table: ClassTable, num_stages: int, micro_batch: int, recomput
         start = b
         while b < N:
             act = table.act_bytes[b] * micro_batch
-            next_plain = plain + table.state_bytes[b] + act * in_flight
-            next_recomputed = recomputed + table.state_bytes[b] + act
+            # the block's state, less a tied parameter's a block already in the stage holds
+            added = table.state_bytes[b] - sum(n for a, z, n in table.tied_state if z == b and a >= start)
+            next_plain = plain + added + act * in_flight
+            next_recomputed = recomputed + added + act
             next_working = max(working, stage_transient_bytes(table, b, b + 1) * micro_batch)
             kept = min(next_plain, next_recomputed) if recompute else next_plain   # state + activations
             if not memory.fits(memory.need_bytes(kept + next_working, 0.0, table.framework_bytes),
@@ -278,4 +280,4 @@ def _lane_arrays(ln: _Lane) -> LaneArrays:
         transient_bytes=(np.asarray(t.transient_bytes, dtype=float) if t.transient_bytes else np.zeros(N)) * m,
         cut_s=[_cut_times_s(link, boundary, element_bytes(t)) * ln.scale for link in ln.links],
         stage_input_bytes=max(t.boundary_bytes) * m, framework_bytes=t.framework_bytes,
-        capacity_bytes=t.capacity_bytes, recompute=ln.recompute)
+        capacity_bytes=t.capacity_bytes, recompute=ln.recompute, tied_state=t.tied_state)

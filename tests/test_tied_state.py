@@ -1,0 +1,97 @@
+"""A tied parameter (an embedding the LM head reads too) is one tensor: a device holding both of its readers
+holds its training state once (costmodel.tables.ClassTable.held_state_bytes), in every place the search
+sums a stage's state: the split's costs, the greedy fit, the bottleneck square, the GPipe and interleaved
+memory, ZeRO's shards, and the plan's memory figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from costmodel import memory, sharded_state
+from planner import frontend
+from planner.api import DEFAULT_TRACE_BATCH, trace_model_file
+from planner.frontend.cluster import load_cluster
+from planner.search import split
+from planner.search.bottleneck import _Square
+from planner.search.interleave_configs import device_need_bytes
+from tests import synthetic as syn
+from tests.helpers import CLUSTERS, EXAMPLES
+
+# 6 blocks of 1 GiB state; a 0.5 GiB state read by blocks 0, 2 and 5 (an embedding, its reuse, a head)
+TIED = ((0, 2, 0.5 * syn.GIB), (2, 5, 0.5 * syn.GIB))
+LINKS = ((100e9, 5e-6),) * 5          # each cut: (bandwidth, latency)
+
+
+def _table(capacity_gib: float = 40.0):
+    return dataclasses.replace(syn.table("x", 1.0, blocks=6, devices=2, per_node=2, capacity_gib=capacity_gib),
+                               tied_state=TIED)
+
+
+def test_a_range_holding_k_readers_counts_the_parameter_once():
+    t = _table()
+    assert t.held_state_bytes([range(0, 6)]) == pytest.approx(6 * syn.GIB - 2 * 0.5 * syn.GIB)
+    assert t.held_state_bytes([range(0, 3)]) == pytest.approx(3 * syn.GIB - 0.5 * syn.GIB)
+    assert t.held_state_bytes([range(1, 6)]) == pytest.approx(5 * syn.GIB - 0.5 * syn.GIB)
+    assert t.held_state_bytes([range(1, 2), range(3, 5)]) == pytest.approx(3 * syn.GIB)     # no reader held
+    assert t.held_state_bytes([range(0, 1), range(5, 6)]) == pytest.approx(2 * syn.GIB)     # readers 0 and 5
+    # (readers 0 and 5 without 2, chunks of an interleaved device: priced as two copies, on the safe side)
+
+
+def test_every_search_sum_agrees_with_held_state_on_every_range():
+    t = _table()
+    lane = split._lane_arrays(split._Lane(t, 1, LINKS, False, 1.0))
+    square = _Square(lane)
+    for lo, hi in itertools.combinations(range(7), 2):
+        want = t.held_state_bytes([range(lo, hi)])
+        assert square.state[lo, hi] == pytest.approx(want), (lo, hi)
+        costs = split.costs_per_stage([t], (lo, hi), 1, [], (0.0,) * 6, False)
+        assert costs.stage_memory_bytes[0] == pytest.approx(memory.need_bytes(want, 0.0, t.framework_bytes))
+
+
+def test_a_model_that_fits_one_device_only_once_its_tied_copy_is_counted_once_is_planned_there():
+    """State 6 GiB counted per block, 5 GiB held: a 5.5 GiB device takes the whole model in one stage."""
+    t = _table(capacity_gib=5.5)
+    assert split.fits_greedily(t, 1, 1, False)
+    found = split.solve_split(t, 1, 1, [], (0.0,) * 6)
+    assert found is not None and found.bounds == (0, 6)
+    untied = dataclasses.replace(t, tied_state=())
+    assert not split.fits_greedily(untied, 1, 1, False) and split.solve_split(untied, 1, 1, [], (0.0,) * 6) is None
+
+
+def test_zero_shards_the_tied_parameters_moments_like_every_other():
+    t = dataclasses.replace(_table(), precision="bf16", state_bytes=(memory.state_bytes(syn.GIB, "bf16"),) * 6,
+                            tied_state=tuple((a, b, memory.state_bytes(0.5 * syn.GIB, "bf16")) for a, b, _ in TIED))
+    zeroed = sharded_state.at_group(syn.tables([t], 8), 4).classes[0]
+    unique = memory.state_bytes(5 * syn.GIB, "bf16")
+    want = unique - sharded_state.moment_bytes(unique, "bf16") * (1 - 1 / 4)
+    assert zeroed.held_state_bytes([range(0, 6)]) == pytest.approx(want)
+
+
+def test_an_interleaved_device_holding_embedding_and_head_counts_them_once():
+    t = _table()
+    bounds = (0, 1, 3, 5, 6)          # 2 devices x 2 chunks: device 0 holds blocks 0 and 3-4, device 1 1-2 and 5
+    need = device_need_bytes(t, bounds, 1, 2, 2)
+    assert need[0] == pytest.approx(memory.need_bytes(3 * syn.GIB, 0.0, t.framework_bytes))
+    assert need[1] == pytest.approx(memory.need_bytes(3 * syn.GIB - 0.5 * syn.GIB, 0.0, t.framework_bytes))
+
+
+def test_the_gpt_examples_tables_hold_its_tied_embedding_once():
+    """The GPT example's LM head is its token embedding: one stage of the whole model holds the state of
+    its distinct parameters; two stages with the embedding on one and the head on the other hold two."""
+    from backends.torchdist.program import materialise
+    from costmodel.tables import build_tables
+
+    model_file = frontend.load_model_file(EXAMPLES / "gpt" / "model.py", {})
+    _, blocks, _ = trace_model_file(model_file, DEFAULT_TRACE_BATCH)
+    spec = load_cluster(CLUSTERS / "cpu-4.yaml")
+    table = build_tables(blocks, spec, global_batch=16, trace_batch=DEFAULT_TRACE_BATCH).classes[0]
+    distinct = sum(p.numel() * 4 for p in materialise.build_meta(model_file, 0).module.parameters())
+    n = len(blocks)
+    assert table.tied_state and sum(table.state_bytes) > memory.state_bytes(distinct, table.precision) * 1.05
+    assert table.held_state_bytes([range(n)]) == pytest.approx(memory.state_bytes(distinct, table.precision))
+    halves = table.held_state_bytes([range(n // 2)]) + table.held_state_bytes([range(n // 2, n)])
+    assert halves == pytest.approx(sum(table.state_bytes))
