@@ -60,9 +60,10 @@ def default_storage() -> tuple[float, str]:
 
 
 def rank_state_bytes(plan: Plan, optimizer: str) -> list[float]:
-    """Checkpoint bytes of each rank: the fp32 parameter bytes of every stage it runs (one shard's under
-    tensor parallelism; each chunk's under interleaved 1F1B) x saved_factor, less, in a ZeRO gradient
-    group, the optimizer state its other members own (each rank holds and saves 1 / group of it)."""
+    """Checkpoint bytes of each rank: the fp32 parameter bytes of every stage it runs (each parameter once,
+    one shard's under tensor parallelism; each chunk's under interleaved 1F1B) x saved_factor, less, in a
+    ZeRO gradient group, the optimizer state its other members own (each rank holds and saves 1 / group of
+    it)."""
     factor = saved_factor(optimizer)
     out = [0.0] * plan.world_size
     for replica in plan.replicas:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from costmodel import memory
-from costmodel.tables import ClassTable, CostTables
+from costmodel.tables import ClassTable, CostTables, reader_pairs
 
 ADAMW_MOMENT_FACTOR = 2.0      # of ADAMW_STATE_FACTOR's weights + gradients + two moments
 
@@ -57,4 +57,11 @@ def _class_at(table: ClassTable, tables: CostTables, z: int) -> ClassTable:
         opt.append(step_s / z + allgather_s(params, z, tables.inter_bandwidth_bytes_s, 0.0)
                    + tensors * tables.inter_latency_s * (1.0 if z > 1 else 0.0))
     tied = tuple((a, b, n - moment_bytes(n, table.precision) * (1 - 1 / z)) for a, b, n in table.tied_state)
-    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_s=tuple(opt), zero_group=z, tied_state=tied)
+    # a tied parameter is one tensor: stepped and gathered once, as a block's share above prices it
+    # (table.tied_optimizer_s holds the pairs of tables.tied in its order: costmodel.tables.tied_pairs)
+    gathered_s = [allgather_s(nbytes, z, tables.inter_bandwidth_bytes_s, 0.0) + tables.inter_latency_s
+                  for _, _, nbytes in reader_pairs(tables.tied)]
+    tied_opt = tuple((a, b, step_s / z + gather_s)
+                     for (a, b, step_s), gather_s in zip(table.tied_optimizer_s, gathered_s))
+    return dataclasses.replace(table, state_bytes=tuple(state), optimizer_s=tuple(opt), zero_group=z, tied_state=tied,
+                               tied_optimizer_s=tied_opt)

@@ -51,14 +51,19 @@ class ClassTable:
     # a tied parameter's state counted again by its next reader: (a reader block, the next reader block, the
     # parameter's state bytes in state_bytes); a device holding both holds one copy (`held_state_bytes`)
     tied_state: tuple[tuple[int, int, float], ...] = ()
+    # likewise its optimizer step: (a reader block, the next reader block, one copy's seconds in optimizer_s);
+    # the optimizer steps each parameter once however many blocks read it (`held_optimizer_s`)
+    tied_optimizer_s: tuple[tuple[int, int, float], ...] = ()
 
     def held_state_bytes(self, ranges: Iterable[range]) -> float:
         """The training state of a device holding the blocks of `ranges` (one stage's, or each chunk's under
         interleaved 1F1B): every block's, less each tied parameter counted again by a reader it also holds."""
-        ranges = list(ranges)
-        total = sum(sum(self.state_bytes[r.start:r.stop]) for r in ranges)
-        return total - sum(nbytes for a, b, nbytes in self.tied_state
-                           if any(a in r for r in ranges) and any(b in r for r in ranges))
+        return _held(self.state_bytes, self.tied_state, ranges)
+
+    def held_optimizer_s(self, ranges: Iterable[range]) -> float:
+        """The optimizer step of a device holding the blocks of `ranges`, as `held_state_bytes` counts its
+        state: every block's, less each tied parameter stepped again for a reader it also holds."""
+        return _held(self.optimizer_s, self.tied_optimizer_s, ranges)
 
     @property
     def intra_link(self) -> Link:
@@ -75,6 +80,13 @@ class ClassTable:
         """Memory per device left for the model (state, activations, compressor state): capacity less
         the framework's."""
         return self.capacity_bytes - self.framework_bytes
+
+
+def _held(per_block: tuple[float, ...], tied: tuple[tuple[int, int, float], ...], ranges: Iterable[range]) -> float:
+    """`per_block` summed over `ranges`, less each tied pair's copy where the ranges hold both its readers."""
+    ranges = list(ranges)
+    total = sum(sum(per_block[r.start:r.stop]) for r in ranges)
+    return total - sum(x for a, b, x in tied if any(a in r for r in ranges) and any(b in r for r in ranges))
 
 
 def output_bytes(last: Block) -> float:
@@ -144,7 +156,9 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
             intra_bandwidth_bytes_s=intra.bandwidth_bytes_s,
             intra_latency_s=intra.latency_s, price_per_hour=dev.price_per_hour,
             collective=None if ring is None else (ring.bandwidth_bytes_s, ring.latency_s),
-            tied_state=tuple((a, b, memory.state_bytes(nbytes, prec)) for a, b, nbytes in tied_pairs(blocks))))
+            tied_state=tuple((a, b, memory.state_bytes(nbytes, prec)) for a, b, nbytes in tied_pairs(blocks)),
+            tied_optimizer_s=tuple((a, b, compute.optimizer_step_s(nbytes, 1, dev, calibration))
+                                   for a, b, nbytes in tied_pairs(blocks))))
     inter: Link = calibrated.inter_link(spec, calibration)
     return CostTables(
         global_batch=global_batch, num_blocks=len(blocks), classes=tuple(classes),
@@ -159,8 +173,12 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
 def tied_pairs(blocks: list[Block]) -> tuple[tuple[int, int, float], ...]:
     """Each tied parameter's consecutive readers, with its fp32 bytes: a contiguous range of blocks holding
     k of its readers holds k - 1 of these pairs, the copies it counts too many."""
-    return tuple((readers[i], readers[i + 1], nbytes) for readers, nbytes in tied_parameters(blocks)
-                 for i in range(len(readers) - 1))
+    return reader_pairs(tied_parameters(blocks))
+
+
+def reader_pairs(tied: tuple[tuple[tuple[int, ...], float], ...]) -> tuple[tuple[int, int, float], ...]:
+    """`tied_pairs` of parameters given as `CostTables.tied` holds them: (readers, fp32 bytes)."""
+    return tuple((readers[i], readers[i + 1], nbytes) for readers, nbytes in tied for i in range(len(readers) - 1))
 
 
 def tied_parameters(blocks: list[Block]) -> tuple[tuple[tuple[int, ...], float], ...]:

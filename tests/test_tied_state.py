@@ -1,7 +1,9 @@
 """A tied parameter (an embedding the LM head reads too) is one tensor: a device holding both of its readers
 holds its training state once (costmodel.tables.ClassTable.held_state_bytes), in every place the search
 sums a stage's state: the split's costs, the greedy fit, the bottleneck square, the GPipe and interleaved
-memory, ZeRO's shards, and the plan's memory figures.
+memory, ZeRO's shards, and the plan's memory figures. It is stepped once by the optimizer too
+(`held_optimizer_s`: the pipelines' optimizer time, ZeRO's step and gather), saved once in a checkpoint
+(costmodel.checkpoint), and the simulator steps it once.
 """
 
 from __future__ import annotations
@@ -95,3 +97,90 @@ def test_the_gpt_examples_tables_hold_its_tied_embedding_once():
     assert table.held_state_bytes([range(n)]) == pytest.approx(memory.state_bytes(distinct, table.precision))
     halves = table.held_state_bytes([range(n // 2)]) + table.held_state_bytes([range(n // 2, n)])
     assert halves == pytest.approx(sum(table.state_bytes))
+
+
+# each reader's optimizer time counts the tied parameter's step: 0.2 ms of a block's 1 ms
+TIED_STEP = ((0, 2, 2e-4), (2, 5, 2e-4))
+
+
+def _stepped_table(tied_step=TIED_STEP):
+    return dataclasses.replace(_table(), optimizer_s=(1e-3,) * 6, tied_optimizer_s=tied_step)
+
+
+def test_a_range_holding_k_readers_steps_the_parameter_once():
+    t = _stepped_table()
+    assert t.held_optimizer_s([range(0, 6)]) == pytest.approx(6e-3 - 2 * 2e-4)
+    assert t.held_optimizer_s([range(0, 3)]) == pytest.approx(3e-3 - 2e-4)
+    assert t.held_optimizer_s([range(3, 6)]) == pytest.approx(3e-3)
+    assert t.held_optimizer_s([range(0, 1), range(2, 3)]) == pytest.approx(2e-3 - 2e-4)    # interleaved chunks
+
+
+def test_a_pipeline_is_charged_its_slowest_stage_with_each_parameter_stepped_once():
+    from planner.search import configs
+    from planner.search.split import costs_per_stage
+
+    t = _stepped_table()
+    tables = syn.tables([t], 8)
+    for bounds, want in (((0, 6), 6e-3 - 4e-4), ((0, 3, 6), 3e-3), ((0, 2, 6), 4e-3 - 2e-4)):
+        split = costs_per_stage([t] * (len(bounds) - 1), bounds, 1, LINKS[:len(bounds) - 2], tables.grad_bytes, False)
+        assert configs.make_config(tables, 0, split, 1).optimizer_s == pytest.approx(want), bounds
+        untied = configs.make_config(syn.tables([_stepped_table(())], 8), 0, split, 1).optimizer_s
+        assert untied == pytest.approx(max(1e-3 * (hi - lo) for lo, hi in zip(bounds, bounds[1:])))
+
+
+def test_zero_steps_and_gathers_a_tied_parameter_once():
+    t = _stepped_table()
+    tables = dataclasses.replace(syn.tables([t], 8), tied=(((0, 2, 5), 0.125 * syn.GIB),),
+                                 param_tensors=(1,) * 6)
+    z = 4
+    zeroed = sharded_state.at_group(tables, z).classes[0]
+    gather = [sharded_state.allgather_s(n, z, tables.inter_bandwidth_bytes_s, 0.0) + tables.inter_latency_s
+              for n in tables.grad_bytes]
+    tied_gather = sharded_state.allgather_s(0.125 * syn.GIB, z, tables.inter_bandwidth_bytes_s, 0.0) \
+        + tables.inter_latency_s
+    every_block = sum(1e-3 / z + g for g in gather)
+    assert zeroed.held_optimizer_s([range(0, 6)]) == pytest.approx(every_block - 2 * (2e-4 / z + tied_gather))
+
+
+def _gpt_plan(stages: int):
+    from planner.api import PlanOptions, plan
+
+    return plan(EXAMPLES / "gpt" / "model.py", CLUSTERS / "cpu-4.yaml",
+                PlanOptions(global_batch=16, stages=stages, runners_up=False)).plan
+
+
+def test_the_gpt_examples_one_stage_plan_steps_saves_and_simulates_its_embedding_once():
+    """One stage of the whole GPT example holds its token embedding and the LM head that reads it: the
+    table's optimizer time over the stage is that of its distinct parameters, the checkpoint advice saves
+    them once, and the stage records their bytes (which the simulator steps)."""
+    from backends.torchdist.program import materialise
+    from costmodel import compute
+    from costmodel.checkpoint import rank_state_bytes, saved_factor
+    from costmodel.tables import build_tables
+
+    model_file = frontend.load_model_file(EXAMPLES / "gpt" / "model.py", {})
+    _, blocks, _ = trace_model_file(model_file, DEFAULT_TRACE_BATCH)
+    spec = load_cluster(CLUSTERS / "cpu-4.yaml")
+    table = build_tables(blocks, spec, global_batch=16, trace_batch=DEFAULT_TRACE_BATCH).classes[0]
+    params = list(materialise.build_meta(model_file, 0).module.parameters())
+    distinct = sum(p.numel() * 4 for p in params)
+    device = spec.nodes[0].device
+    assert sum(table.optimizer_s) > compute.optimizer_step_s(distinct, len(params), device) * 1.05
+    assert table.held_optimizer_s([range(len(blocks))]) == pytest.approx(
+        compute.optimizer_step_s(distinct, len(params), device))
+
+    p = _gpt_plan(1)
+    whole = [st for r in p.replicas for st in r.stages]
+    assert all(st.first_block == 0 and st.last_block == len(p.blocks) - 1 for st in whole)
+    assert all(st.shard_param_bytes == pytest.approx(distinct) for st in whole)
+    assert rank_state_bytes(p, "adamw") == pytest.approx([distinct * saved_factor("adamw")] * p.world_size)
+    assert sum(b.param_bytes for b in p.blocks) > distinct * 1.05     # what was saved before: a copy too many
+
+
+def test_two_stages_of_the_gpt_example_each_hold_a_copy_of_the_tied_embedding():
+    p = _gpt_plan(2)
+    for replica in p.replicas:
+        first, last = replica.stages
+        per_block = [sum(p.blocks[b].param_bytes for b in range(st.first_block, st.last_block + 1))
+                     for st in (first, last)]
+        assert [first.shard_param_bytes, last.shard_param_bytes] == pytest.approx(per_block)

@@ -64,7 +64,10 @@ class StagePlan:
     tp_ranks: tuple[int, ...] = field(default=(), metadata=OPTIONAL)
     tp_devices: tuple[int, ...] = field(default=(), metadata=OPTIONAL)        # their devices, as `device`
     tp_device_labels: tuple[str, ...] = field(default=(), metadata=OPTIONAL)  # and labels, as `device_label`
-    shard_param_bytes: float = field(default=0.0, metadata=OPTIONAL)   # fp32 parameter bytes one shard holds
+    # fp32 parameter bytes one rank of the stage holds (one shard's under tensor parallelism), each parameter
+    # once however many of the stage's blocks read it (a tied embedding and LM head). 0: not recorded (plans
+    # written before it; readers then sum the blocks' param_bytes)
+    shard_param_bytes: float = field(default=0.0, metadata=OPTIONAL)
     # `memory_bytes` as the search priced it, per rank of the stage (under interleaved 1F1B its device's, all
     # its stages together): the training state (weights, gradients, optimizer state, as sharded by tensor
     # parallelism and ZeRO), of which the optimizer state, and the activations kept at the schedule's peak;

@@ -225,7 +225,7 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 slowdown=dev.type.slowdown, tp_ranks=ranks if sharded_stage else (),
                 tp_devices=tuple(d.index for d in devs) if sharded_stage else (),
                 tp_device_labels=tuple(d.label for d in devs) if sharded_stage else (),
-                shard_param_bytes=sum(param_bytes[p] for p in params) if sharded_stage else 0.0,
+                shard_param_bytes=sum(param_bytes[p] for p in params),
                 state_bytes=state, optimizer_bytes=optimizer, activation_bytes=activations))
             busy_by_device[d] += (fwd + bwd) * rep.share + over * len(micro_sizes)
             if s > 0:

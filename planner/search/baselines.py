@@ -86,8 +86,7 @@ def make_config(tables: CostTables, cls: int, num_stages: int, micro_batch: int,
             break
     if split is None:
         return None
-    opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1]))
-              for s in range(num_stages))
+    opt = candidates.pipeline_optimizer_s([table] * num_stages, split.bounds)
     return with_compressor_room(tables, [candidates.Config(cls, num_stages, micro_batch, split, opt, intra)])[0]
 
 

@@ -5,12 +5,20 @@ estimates and the solver's facts). Plain records: every strategy builds them, `a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from costmodel.tables import ClassTable
 from planner.core.units import NS_PER_S
 from planner.search import interleave
 from planner.search.pipeline import pipeline_one_s, pipeline_s
 from planner.search.split import Split
+
+
+def pipeline_optimizer_s(stage_tables: Sequence[ClassTable], bounds: Sequence[int]) -> float:
+    """A pipeline's optimizer step: its slowest stage's, each parameter of a stage stepped once
+    (ClassTable.held_optimizer_s); stage s holds blocks bounds[s]..bounds[s + 1] on stage_tables[s]."""
+    return max(t.held_optimizer_s([range(bounds[s], bounds[s + 1])]) for s, t in enumerate(stage_tables))
 
 
 @dataclass(frozen=True)

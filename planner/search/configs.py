@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from costmodel.tables import CostTables
 from planner.search import align, hetero, schedules
-from planner.search.candidates import Config, shape_devices
+from planner.search.candidates import Config, pipeline_optimizer_s, shape_devices
 from planner.search.compressors import with_compressor_room
 from planner.search.interleave_configs import with_interleaved
 from planner.search.split import Split
@@ -84,7 +84,7 @@ def build_configs(tables: CostTables, fixed_stages: int | None = None,
 
 def make_config(tables: CostTables, cls: int, split: Split, micro_batch: int) -> Config:
     table, S = tables.classes[cls], split.num_stages
-    opt = max(sum(table.optimizer_s[b] for b in range(split.bounds[s], split.bounds[s + 1])) for s in range(S))
+    opt = pipeline_optimizer_s([table] * S, split.bounds)
     return Config(cls, S, micro_batch, split, opt, S <= table.per_node)
 
 

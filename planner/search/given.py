@@ -310,7 +310,7 @@ def _config(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...
     stage_tables = [tables.classes[ci] for ci in classes]
     split = costs_per_stage(stage_tables, bounds, micro_batch, topology.cuts(tables, classes), tables.grad_bytes,
                             recompute=True)
-    opt = max(sum(t.optimizer_s[b] for b in range(bounds[s], bounds[s + 1])) for s, t in enumerate(stage_tables))
+    opt = candidates.pipeline_optimizer_s(stage_tables, bounds)
     mixed = len(set(classes)) > 1
     config = candidates.Config(classes[0], len(classes), micro_batch, split, opt,
                                intra_node=not mixed and len(classes) <= tables.classes[classes[0]].per_node,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from costmodel import memory
 from costmodel.tables import CostTables
 from planner.search import align
-from planner.search.candidates import Config
+from planner.search.candidates import Config, pipeline_optimizer_s
 from planner.search.split import Lane, Split, costs_per_stage, solve_mixed_bounds
 from planner.search.topology import cuts
 
@@ -126,8 +126,6 @@ def mixed_configs(tables: CostTables, shared: dict[int, tuple[int, ...]], micro_
                     found = _faster(tables, [found, *(_splits(tables, classes, own_bounds(tables, classes, m_ref, rc),
                                                               micro_options) for rc in (False, True))])
                 for m, split in found:
-                    opt = max(sum(tables.classes[c].optimizer_s[b]
-                                  for b in range(split.bounds[s], split.bounds[s + 1]))
-                              for s, c in enumerate(classes))
+                    opt = pipeline_optimizer_s([tables.classes[c] for c in classes], split.bounds)
                     out.append(Config(first, S, m, split, opt, False, classes))
     return out

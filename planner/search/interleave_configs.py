@@ -98,8 +98,8 @@ def interleaved(tables: CostTables, cls: int, devices: int, chunks: int, micro_b
     split = costs_per_stage([table] * K, bounds, micro_batch, links, tables.grad_bytes,
                             recompute=tuple(recomputing[k % devices] for k in range(K)))
     split = dataclasses.replace(split, stage_memory_bytes=tuple(need[k % devices] for k in range(K)), optimal=True)
-    optimizer_s = max(sum(table.optimizer_s[b] for k in range(d, K, devices)
-                          for b in range(split.bounds[k], split.bounds[k + 1])) for d in range(devices))
+    optimizer_s = max(table.held_optimizer_s(range(split.bounds[k], split.bounds[k + 1]) for k in range(d, K, devices))
+                      for d in range(devices))
     return Config(cls, K, micro_batch, split, optimizer_s, devices <= table.per_node,
                   schedule="interleaved", chunks=chunks)
 
