@@ -12,10 +12,10 @@ its schedule (planner.search.compressors), before the solve: the sync time it ch
 compressor among those that fit (costmodel.compression.group_sync_s), and assembly records, for
 each gradient group, the best among those that fit every member (`choose_gradient(allowed=...)`).
 
-A stage's compressor state is bounded here by the sum over its blocks of each block's state (a
-parameter read by two blocks of the stage counts twice, a tied parameter on each stage that holds
-it), so that any groups a rank joins, each with a compressor that fits, fit together: state is
-additive over parameters, and 1-bit's per parameter is at least PowerSGD's.
+A stage's compressor state is bounded here by the sum over its blocks of each block's state, a tied
+parameter (one tensor several blocks read) counted once per stage that holds it, so that any groups a
+rank joins, each with a compressor that fits, fit together: state is additive over parameters, and
+1-bit's per parameter is at least PowerSGD's.
 """
 
 from __future__ import annotations
@@ -35,11 +35,16 @@ class StateTable:
 
     names: tuple[str, ...]
     prefix_bytes: tuple[np.ndarray, ...]     # per name: [0, state(block 0), state(0..1), ...]
+    # a tied parameter's consecutive readers (costmodel.tables.tied_pairs) with one copy's state per name: a
+    # stage holding both counts it once
+    tied: tuple[tuple[int, int, tuple[float, ...]], ...] = ()
 
     def state_bytes(self, name: str, blocks: range) -> float:
         """State of compressor `name` over a stage of `blocks` (see the module docstring)."""
-        prefix = self.prefix_bytes[self.names.index(name)]
-        return float(prefix[blocks.stop] - prefix[blocks.start])
+        i = self.names.index(name)
+        prefix = self.prefix_bytes[i]
+        copies = sum(copy[i] for a, b, copy in self.tied if a in blocks and b in blocks)
+        return float(prefix[blocks.stop] - prefix[blocks.start]) - copies
 
     def fitting(self, blocks: range, need_bytes: float, capacity_bytes: float) -> tuple[str, ...]:
         """The compressors whose state over `blocks` fits beside a stage needing `need_bytes` on a device
@@ -64,4 +69,8 @@ def state_table(tables: CostTables) -> StateTable | None:
     for name in names:
         per_block = [compress_volume(name, v).state_bytes for v in volumes]
         prefix.append(np.concatenate([[0.0], np.cumsum(per_block)]))
-    return StateTable(tuple(names), tuple(prefix))
+    tied: list[tuple[int, int, tuple[float, ...]]] = []
+    for (readers, nbytes), param in zip(tables.tied, table.tied_params()):
+        copy = tuple(compress_volume(name, table.volume([param], nbytes)).state_bytes for name in names)
+        tied.extend((readers[i], readers[i + 1], copy) for i in range(len(readers) - 1))
+    return StateTable(tuple(names), tuple(prefix), tuple(tied))

@@ -143,3 +143,32 @@ def test_a_lane_missing_from_the_checkpoint_is_the_tensor_it_lacks(tmp_path):
     with pytest.raises(CheckpointError, match="holds no tensor attn.qkv.weight"):
         checkpoint_state.restore(folder, reader)
     assert torch.equal(reader.tensors[NORM], torch.zeros(8)), "a tensor was restored before the refusal"
+
+
+@pytest.mark.parametrize(("limit", "batches"), [(checkpoint_state.RESHARD_LOAD_BYTES, 1), (1, 2)])
+def test_the_resharded_tensors_are_read_in_loads_bounded_by_their_bytes(tmp_path, monkeypatch, limit, batches):
+    """Both split tensors (qkv and out, with their AdamW moments) in one DCP load beside the rank's own
+    entries and the meta; with a bound below one tensor's bytes, each in a load of its own. Either way every
+    lane holds exactly its shard and state."""
+    folder = tmp_path / f"step_{STEP}"
+    _write(folder, 4, "adamw")
+    loads: list[int] = []
+    real = checkpoint_state.load_entries
+
+    def counted(where, request):
+        loads.append(len(request))
+        real(where, request)
+
+    monkeypatch.setattr(checkpoint_state, "load_entries", counted)
+    monkeypatch.setattr(checkpoint_state, "RESHARD_LOAD_BYTES", limit)
+    whole, moments = _whole(), _moments()
+    for lane in range(2):
+        loads.clear()
+        state = _state(2, lane, {name: torch.zeros_like(t) for name, t in _lane(whole, 2, lane).items()}, "adamw")
+        assert checkpoint_state.restore(folder, state) == STEP
+        assert len(loads) == 2 + batches, loads          # the meta, the rank's own names, the resharded ones
+        for name, tensor in state.tensors.items():
+            base = name.split("@")[0]
+            assert torch.equal(tensor, next(iter(_lane({base: whole[base]}, 2, lane).values()))), name
+            want = next(iter(_lane({base: moments[base]["exp_avg_sq"]}, 2, lane).values()))
+            assert torch.equal(state.optimizer.state[tensor]["exp_avg_sq"], want), name

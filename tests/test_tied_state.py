@@ -184,3 +184,33 @@ def test_two_stages_of_the_gpt_example_each_hold_a_copy_of_the_tied_embedding():
         per_block = [sum(p.blocks[b].param_bytes for b in range(st.first_block, st.last_block + 1))
                      for st in (first, last)]
         assert [first.shard_param_bytes, last.shard_param_bytes] == pytest.approx(per_block)
+
+
+def test_a_stage_holding_the_gpt_examples_embedding_and_head_holds_one_compressor_state_for_it():
+    """Under gradient compression (PowerSGD's error feedback and P/Q, 1-bit's two buffers), the search's
+    bound on a stage's compressor state counts the tied embedding once where the stage holds both of its
+    readers: the state of the stage's distinct parameters; two stages each hold theirs."""
+    from costmodel.compression import compress_volume, compression_of
+    from costmodel.compression_memory import state_table
+    from planner.api import PlanOptions, cost_tables
+
+    model_file = frontend.load_model_file(EXAMPLES / "gpt" / "model.py", {})
+    gm, blocks, _ = trace_model_file(model_file, DEFAULT_TRACE_BATCH)
+    spec = load_cluster(CLUSTERS / "seed-mixed-32.yaml")
+    tables = cost_tables(PlanOptions(global_batch=64, compression="auto"), gm, blocks, spec, None)
+    states, table = state_table(tables), compression_of(tables)
+    assert states is not None and states.tied and {"powersgd", "onebit"} <= set(states.names)
+    n = len(blocks)
+
+    def distinct(lo: int, hi: int, name: str) -> float:
+        params = [p for b in range(lo, hi) for p in blocks[b].params]
+        sizes = dict(pair for b in range(lo, hi) for pair in zip(blocks[b].params, blocks[b].param_sizes))
+        return compress_volume(name, table.volume(params, sum(sizes.values()))).state_bytes
+
+    for name in ("powersgd", "onebit"):
+        assert states.state_bytes(name, range(n)) == pytest.approx(distinct(0, n, name)), name
+        summed = sum(compress_volume(name, table.blocks_volume(range(b, b + 1), tables.grad_bytes)).state_bytes
+                     for b in range(n))
+        assert summed > distinct(0, n, name) * 1.05, name          # what each reader's count made it
+        halves = states.state_bytes(name, range(n // 2)) + states.state_bytes(name, range(n // 2, n))
+        assert halves == pytest.approx(distinct(0, n // 2, name) + distinct(n // 2, n, name)), name

@@ -11,14 +11,16 @@ counters (a step) every lane holds alike. The cut is the model's, found in its g
 so a checkpoint written before cuts were recorded is read with this rank's own (degree 1 has none: it
 says which degree to plan instead).
 
-Each tensor is read on its own, its pieces and its state together, so a rank holds one whole parameter
-beside its shards at most.
+A tensor's pieces and its state are read together (`wanted`, then `put_together`); the caller loads
+several tensors' at once up to a bound on the bytes (checkpoint_state.RESHARD_LOAD_BYTES: each DCP load
+costs ~20 ms beside its bytes), and puts them together one at a time, so a rank holds one load's pieces
+and one whole parameter beside its own tensors at most.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,26 +120,23 @@ def find_pieces(entries: Mapping[str, Any], prefix: str, lanes: Mapping[str, Map
                   cut.shape)
 
 
-def read(pieces: Pieces, entries: Mapping[str, Any], optim_prefix: str | None, load: Callable[[dict[str, Any]], None],
-         empty_like: Callable[[Any], Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+def wanted(pieces: Pieces, entries: Mapping[str, Any], optim_prefix: str | None) -> list[str]:
+    """The checkpoint's names to load for `pieces`: each piece, and each piece's optimizer state where this
+    rank holds state for it (`optim_prefix`; None: a rank that holds none of it)."""
+    names = list(pieces.sources)
+    for key in _state_keys(pieces, entries, optim_prefix):
+        names.extend(full for saved in _saved(pieces) if (full := f"{optim_prefix}{saved}/{key}") in entries)
+    return names
+
+
+def put_together(pieces: Pieces, loaded: Mapping[str, Any], entries: Mapping[str, Any],
+                 optim_prefix: str | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The tensor this rank trains, and its optimizer state by key (its tensors resharded alike, its
-    counters lane 0's; `optim_prefix` None: a rank that holds none of it), read from the checkpoint in one
-    load (`load` fills a request in place, `empty_like` makes what it fills for a metadata entry)."""
-    model = [(source, source.split("/", 1)[1]) for source in pieces.sources]
-    lane0 = f"{optim_prefix}{model[0][1]}/"
-    state_keys = sorted({key.removeprefix(lane0) for key in entries if key.startswith(lane0)}) \
-        if optim_prefix is not None else []
-    request = {source: empty_like(entries[source]) for source, _ in model}
-    for key in state_keys:
-        for _, saved in model:
-            full = f"{optim_prefix}{saved}/{key}"
-            if full in entries:
-                request[full] = empty_like(entries[full])
-    load(request)
-    tensor = pieces.reshard([request[source] for source, _ in model])
+    counters lane 0's), from `loaded`: at least the names `wanted` gave, as a DCP load filled them."""
+    tensor = pieces.reshard([loaded[source] for source in pieces.sources])
     state: dict[str, Any] = {}
-    for key in state_keys:
-        values = [request.get(f"{optim_prefix}{saved}/{key}") for _, saved in model]
+    for key in _state_keys(pieces, entries, optim_prefix):
+        values = [loaded.get(f"{optim_prefix}{saved}/{key}") for saved in _saved(pieces)]
         if not (isinstance(values[0], torch.Tensor) and values[0].dim() > 0):
             state[key] = values[0]                      # a counter, alike on every lane
             continue
@@ -147,3 +146,16 @@ def read(pieces: Pieces, entries: Mapping[str, Any], optim_prefix: str | None, l
                                   fix="resume from another checkpoint (this one may be damaged)")
         state[key] = pieces.reshard(tensors)
     return tensor, state
+
+
+def _saved(pieces: Pieces) -> list[str]:
+    """The pieces' names as their ranks saved them (without the model/ prefix)."""
+    return [source.split("/", 1)[1] for source in pieces.sources]
+
+
+def _state_keys(pieces: Pieces, entries: Mapping[str, Any], optim_prefix: str | None) -> list[str]:
+    """The optimizer state's keys of the first piece (exp_avg, step, ...); none without `optim_prefix`."""
+    if optim_prefix is None:
+        return []
+    lane0 = f"{optim_prefix}{_saved(pieces)[0]}/"
+    return sorted({key.removeprefix(lane0) for key in entries if key.startswith(lane0)})

@@ -37,10 +37,11 @@ saves nor resumes never needs it (checkpoint.py).
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 MODEL, OPTIM, COMPRESSOR, SCALER, RNG, META = "model/", "optim/", "compressor/", "scaler/", "rng/", "meta/"
+# one DCP load of tensors saved at another tensor-parallel degree holds at most this many bytes of their pieces
+# and state (a larger tensor's alone): each load costs ~20 ms beside its bytes, one per tensor ~2 s a rank
+RESHARD_LOAD_BYTES = 256 << 20
 
 
 def plan_digest(plan: Plan) -> str:
@@ -222,18 +226,44 @@ def _pieces(folder: Path, entries: Mapping[str, Any], lanes: Mapping[str, Mappin
 
 def _resharded(folder: Path, entries: Mapping[str, Any], state: RankState, moved: list[checkpoint_reshard.Pieces],
                held: set[str]) -> dict[str, Any]:
-    """The tensors saved at another tensor-parallel degree put in place from their pieces, one tensor at a
-    time (checkpoint_reshard.py); returns the optimizer state entries of those this rank holds state for,
-    under this rank's names (as `restore` reads them)."""
+    """The tensors saved at another tensor-parallel degree put in place from their pieces (checkpoint_reshard.py),
+    read in loads of up to RESHARD_LOAD_BYTES and put together one at a time; returns the optimizer state
+    entries of those this rank holds state for, under this rank's names (as `restore` reads them)."""
     out: dict[str, Any] = {}
-    for pieces in moved:
-        tensor = state.tensors[pieces.name]
-        value, optim = checkpoint_reshard.read(pieces, entries, OPTIM if pieces.name in held else None,
-                                               lambda request: load_entries(folder, request), empty_like_entry)
-        with torch.no_grad():
-            tensor.copy_(value)
-        out.update({f"{OPTIM}{pieces.name}/{key}": v for key, v in optim.items()})
+    for batch in _load_batches(entries, [(pieces, OPTIM if pieces.name in held else None) for pieces in moved]):
+        request = {name: empty_like_entry(entries[name])
+                   for pieces, prefix in batch for name in checkpoint_reshard.wanted(pieces, entries, prefix)}
+        load_entries(folder, request)
+        for pieces, prefix in batch:
+            value, optim = checkpoint_reshard.put_together(pieces, request, entries, prefix)
+            with torch.no_grad():
+                state.tensors[pieces.name].copy_(value)
+            out.update({f"{OPTIM}{pieces.name}/{key}": v for key, v in optim.items()})
     return out
+
+
+def _load_batches(entries: Mapping[str, Any], moved: list[tuple[checkpoint_reshard.Pieces, str | None]]
+                  ) -> Iterator[list[tuple[checkpoint_reshard.Pieces, str | None]]]:
+    """`moved` in runs whose wanted entries hold at most RESHARD_LOAD_BYTES together (a larger tensor alone)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    def nbytes(name: str) -> int:
+        entry = entries[name]
+        if not isinstance(entry, TensorStorageMetadata):
+            return 0
+        return math.prod(entry.size) * torch.empty((), dtype=entry.properties.dtype).element_size()
+
+    batch: list[tuple[checkpoint_reshard.Pieces, str | None]] = []
+    held = 0
+    for pieces, prefix in moved:
+        size = sum(nbytes(name) for name in checkpoint_reshard.wanted(pieces, entries, prefix))
+        if batch and held + size > RESHARD_LOAD_BYTES:
+            yield batch
+            batch, held = [], 0
+        batch.append((pieces, prefix))
+        held += size
+    if batch:
+        yield batch
 
 
 def load_entries(folder: Path, request: dict[str, Any]) -> None:
