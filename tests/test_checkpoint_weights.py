@@ -8,6 +8,8 @@ tests/test_tp_e2e.py.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -113,8 +115,9 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_is_written(tmp
 
 @pytest.mark.parametrize("max_shard_bytes", [10**9, 1100])
 def test_export_writes_the_whole_tensors_as_save_pretrained_lays_them_out(tmp_path, max_shard_bytes):
-    """One file, or shards of at most the size (each tensor is 768, 256 or 32 bytes) with their index; what
-    is written reads back through safetensors and through --weights."""
+    """One file, or shards of at most the size (each tensor is 768, 256 or 32 bytes) with their index, each
+    with the mode a plain `open` gives (0666 less the umask, so other users may read it); what is written
+    reads back through safetensors and through --weights."""
     _checkpoint(tmp_path / "ckpt", 4)
     out = tmp_path / "w"
     out.mkdir()
@@ -122,7 +125,10 @@ def test_export_writes_the_whole_tensors_as_save_pretrained_lays_them_out(tmp_pa
     whole = _whole()
     assert done.step == STEP and done.tensors == 3 and done.total_bytes == 4 * (192 + 64 + 8)
     written: dict[str, torch.Tensor] = {}
+    mask = os.umask(0)
+    os.umask(mask)
     for file in done.files:
+        assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~mask, oct(file.stat().st_mode)
         assert file.stat().st_size <= max_shard_bytes + 1000 or len(load_file(file)) == 1
         written.update(load_file(file))
     assert sorted(written) == sorted(whole)

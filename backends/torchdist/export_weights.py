@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,14 @@ def cut_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
+def _as_plain_file(path: Path) -> None:
+    """The mode `open` gives a new file (0666 less the umask): safetensors' `save_file` leaves 0600, so a
+    serving process of another user could not read the export."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
                    strip_prefix: str = "") -> ExportedWeights:
@@ -92,6 +101,7 @@ def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
         tensors = {by_source[source]: (tensor if dtype is None else tensor.to(dtype)).contiguous()
                    for source, tensor in trained.read(list(by_source))}
         save_file(tensors, str(file), metadata={"format": "pt"})
+        _as_plain_file(file)
         del tensors
     total = sum(sizes.values())
     if len(files) > 1:
