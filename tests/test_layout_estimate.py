@@ -320,7 +320,7 @@ def test_malformed_layout_file(tmp_path, text, field):
 @pytest.mark.parametrize("text, field", [
     ("dp=4;tp=2", "--layout"), ("dp=4,tp=2,pp=2", "--layout mb"), ("dp=0,tp=1,pp=1,mb=1", "--layout dp"),
     ("dp=1,tp=3,pp=1,mb=1", "--layout tp"), ("dp=1,tp=1,pp=1,mb=1,xx=2", "--layout xx"),
-    ("dp=1,dp=2,tp=1,pp=1,mb=1", "--layout dp"),
+    ("dp=1,dp=2,tp=1,pp=1,mb=1", "--layout dp"), ("", "--layout"), ("  ", "--layout"),
 ])
 def test_malformed_shorthand(text, field):
     with pytest.raises(OptionError) as err:
