@@ -135,7 +135,7 @@ def load_layout(text: str) -> Layout:
     """The layout `--layout TEXT` names: the shorthand, a plan (plan.json or its directory), or a layout
     file; raises OptionError / SpecError / PlanFileError (one line: file, field, fix)."""
     if not text.strip():       # Path("") is the working directory: it would be read as a plan there
-        raise OptionError("--layout is empty", field="--layout",
+        raise OptionError("empty: it names no layout", field="--layout",
                           fix="name a layout file or a plan (out/), or give dp=,tp=,pp=,mb=")
     if is_shorthand(text):
         return Layout(f"--layout {text.strip()}", shorthand=parse_shorthand(text))
