@@ -20,7 +20,6 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -32,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
+from planner.profiling.calibrate import free_port, usable_cores
+
 ITERATIONS = 400
 WAYS = ("alone", "waiting", "computing")
 
@@ -62,18 +62,12 @@ def _rank(rank: int, world: int, cores: int, way: str, port: int, out: Any) -> N
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(way: str, cores: int) -> list[float]:
     """The computing ranks' wall per CPU second of the work, run `way`."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     world = cores if way == "alone" else 2 * cores
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, cores, way, port, out)) for r in range(world)]
     for p in procs:
         p.start()
@@ -87,7 +81,7 @@ def _run(way: str, cores: int) -> list[float]:
 
 
 def measure(repeats: int) -> dict[str, Any]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     factors: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(repeats):
         for way in WAYS:
@@ -112,7 +106,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--repeats", type=int, default=3, help="runs of each way, in turn")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "core_share.json")
+    p.add_argument("--out", type=Path, default=common.RESULTS / "core_share.json")
     args = p.parse_args(argv)
     result = measure(args.repeats)
     print(table(result))

@@ -9,7 +9,6 @@ import copy
 import functools
 import importlib.util
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from passes.tensor_parallel import find_regions  # noqa: E402
 from passes.tensor_parallel.costs import block_cost  # noqa: E402
 from passes.tensor_parallel.rewrite import shard_graph  # noqa: E402
 from planner import frontend  # noqa: E402
+from planner.profiling.calibrate import free_port  # noqa: E402
 
 EXAMPLES = REPO / "examples"
 ZERO_TENSORS = 8                       # equal tensors: the greedy partition splits them evenly over 2 or 4
@@ -218,16 +218,10 @@ def _worker(rank: int, world: int, port: int, settings: dict[str, Any], out_dir:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(world: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's raw measurements (`_worker`'s), from `world` spawned gloo processes."""
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_worker, args=(world, _free_port(), settings, out_dir), nprocs=world,
+        context = mp.start_processes(_worker, args=(world, free_port(), settings, out_dir), nprocs=world,
                                      join=False, start_method="spawn")
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         try:
