@@ -23,6 +23,7 @@ import torch
 
 from backends.torchdist.program import checkpoint_state, weights
 from backends.torchdist.program.checkpoint_weights import TrainedModel
+from planner.core.file_modes import plain_file_mode
 
 SINGLE_FILE = weights.HF_SINGLE_FILE
 INDEX_FILE = weights.HF_INDEX_FILE
@@ -61,14 +62,6 @@ def cut_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _as_plain_file(path: Path) -> None:
-    """The mode `open` gives a new file (0666 less the umask): safetensors' `save_file` leaves 0600, so a
-    serving process of another user could not read the export."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
 def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
                    strip_prefix: str = "") -> ExportedWeights:
@@ -101,7 +94,7 @@ def export_weights(checkpoint: Path, module: torch.nn.Module, out_dir: Path, *,
         tensors = {by_source[source]: (tensor if dtype is None else tensor.to(dtype)).contiguous()
                    for source, tensor in trained.read(list(by_source))}
         save_file(tensors, str(file), metadata={"format": "pt"})
-        _as_plain_file(file)
+        os.chmod(file, plain_file_mode())     # save_file leaves 0600: other users could not read it
         del tensors
     total = sum(sizes.values())
     if len(files) > 1:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from planner.core.errors import OutputDirError
+from planner.core.file_modes import plain_dir_mode, plain_file_mode
 
 MARKER = ".hetplan-output"
 MARKER_TEXT = "hetplan output 1: written by `plan -o`, which may replace this directory whole\n"
@@ -64,7 +65,7 @@ def write_atomically(out: Path, fill: Callable[[Path], None], *, inputs: Iterabl
         raise OutputDirError(f"cannot create a directory beside -o {out}: {exc.strerror or exc}",
                              fix="name a directory in a writable place") from exc
     try:
-        os.chmod(tmp, 0o777 & ~_umask())          # mkdtemp's 0700, as a plain mkdir would have it
+        os.chmod(tmp, plain_dir_mode())          # mkdtemp's 0700, as a plain mkdir would have it
         fill(tmp)
         (tmp / MARKER).write_text(MARKER_TEXT)
         check_output_dir(out, inputs=inputs, force=force)   # what is there now, not when planning began
@@ -127,7 +128,7 @@ def write_text_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, plain_file_mode())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -136,9 +137,3 @@ def write_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
