@@ -1,18 +1,21 @@
 """`plan run` says what happens: a plain line per step while the program trains, and at the end each rank's
-peak memory beside the plan's estimate and where the metrics and the logs are; a failed run names the rank
-that failed first, with its own error.
+peak memory and the step time beside the plan's estimates and where the metrics and the logs are; a failed
+run names the rank that failed first, with its own error.
 
 - a 2-rank plan of a model whose data takes longer than PRINT_EVERY_S per step prints every step while the
   run is still going, each line's figures those of metrics.jsonl (loss, the slowest rank's step time,
   global batch over it);
 - StepReport on a metrics file ranks append to: a step shows once every rank logged it, fast steps are
   thinned to one line per interval and the last step always shows, a torn line waits for its end;
+- the end's step time line: the median of the slowest rank's step time after the warm-up steps beside the
+  plan's estimate, by how much the estimate misses, and a note when it rests on placeholder figures;
 - first_failure: when torchrun's "first observed failure" is a peer that failed in the same second because
   of it, the rank whose own log ended first is named, and torchrun's SIGTERM of the others never is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.torchdist.local_run import PRINT_EVERY_S, StepReport
+from backends.torchdist.local_run import PRINT_EVERY_S, STEP_TIME_WARMUP, StepReport, step_time_line
 from backends.torchdist.program import metrics
 from backends.torchdist.program.process_group import FOR_PEER_EXIT_CODE
 from backends.torchdist.run_failures import failure_line, first_failure
@@ -122,6 +125,9 @@ def test_plan_run_prints_each_slow_step_while_it_trains_then_memory_metrics_and_
     for rank in range(p.world_size):
         peak = max(r["peak_memory_bytes"] for r in records if r["rank"] == rank)
         assert f"rank {rank} {peak / MIB:,.0f}/{p.estimates.memory_bytes[rank] / MIB:,.0f} MiB" in memory_line
+    slowest_by_step = {k: max(r["step_time_s"] for r in records if r["step"] == k) for k in range(STEPS)}
+    assert lines[-2] == step_time_line(p, slowest_by_step)
+    assert f"{slowest_by_step[STEPS - 1]:.3f}/{p.estimates.iteration_s:.3f} s" in lines[-2]
     assert lines[-1] == (f"plan run: {STEPS} step(s); metrics: {out / 'run' / 'metrics.jsonl'}; "
                          f"logs: {out / 'run' / 'logs'}")
 
@@ -180,7 +186,28 @@ def test_a_step_shows_once_every_rank_logged_it_and_fast_steps_are_thinned(two_r
     assert printed[2:] == [
         f"plan run: peak memory (measured / the plan's estimate): rank 0 {400000000 / MIB:,.0f}/{estimate[0]:,.0f} "
         f"MiB, rank 1 330/{estimate[1]:,.0f} MiB",
+        step_time_line(p, {0: 0.5, 1: 0.25, 2: 0.25, 3: 0.2}),
         f"plan run: 4 step(s); metrics: {path}; logs: {tmp_path / 'logs'}"]
+
+
+def test_the_step_time_line_is_the_median_after_warm_up_beside_the_estimate(two_rank_plan):
+    _, p = two_rank_plan
+    calibrated = dataclasses.replace(p, warnings=(), estimates=dataclasses.replace(p.estimates, iteration_s=0.3))
+    # a resumed run's steps 10-17: the first STEP_TIME_WARMUP left out, the median of the rest (0.2, 0.25, 0.4, 0.2,
+    # 0.25 -> 0.25); the estimate 0.3 s is 20% over it
+    times = dict(zip(range(10, 18), (9.0, 0.9, 0.5, 0.2, 0.25, 0.4, 0.2, 0.25)))
+    assert STEP_TIME_WARMUP == 3
+    assert step_time_line(calibrated, times) == ("plan run: step time (measured / the plan's estimate): 0.250/0.300 s "
+                                                 "(the slowest rank's, median of steps 13-17), the estimate 20% over")
+    slower = dataclasses.replace(calibrated, estimates=dataclasses.replace(p.estimates, iteration_s=0.2))
+    assert step_time_line(slower, times).endswith("the estimate 20% under")
+    # a short run keeps its last step; one step (the trace's) says nothing
+    assert "median of step 1)" in step_time_line(calibrated, {0: 5.0, 1: 0.3})
+    assert step_time_line(calibrated, {0: 5.0}) is None
+    # a plan on the catalog's placeholder CPU figures says so
+    assert p.warnings and "placeholder" in p.warnings[0]
+    assert step_time_line(p, times).endswith("it rests on placeholder figures: `plan profile`, then plan with "
+                                             "--calibration FILE")
 
 
 def test_with_no_interval_every_step_shows(two_rank_plan, tmp_path):

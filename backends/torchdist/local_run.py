@@ -19,8 +19,9 @@ only, stopped whole by a signal, and one line when a rank dies.
   metrics are written (backends.report.progress; nothing at all when stderr is not a terminal).
 - Training shows. Each step that every rank has logged is one plain line (step, loss, the slowest rank's
   step time, samples per second), at most one per PRINT_EVERY_S when steps are faster; at the end each
-  rank's measured peak memory beside the plan's estimate, and where the metrics and the logs are
-  (StepReport: plain lines, fine in a pipe and a log).
+  rank's measured peak memory beside the plan's estimate, the measured step time beside the plan's
+  (`step_time_line`: the median after the warm-up steps, and by how much the estimate misses), and where
+  the metrics and the logs are (StepReport: plain lines, fine in a pipe and a log).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import datetime
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +44,7 @@ from typing import Any, TextIO
 import torch.distributed as dist
 
 from backends.report.progress import Progress
+from costmodel.placeholders import noted_device_type
 from planner.core.ir import Plan
 
 from .program.memory import EMULATE_ENV
@@ -54,6 +57,7 @@ POLL_S = 0.2
 PRINT_EVERY_S = 2.0           # steps faster than this print one line per this many seconds (and the last)
 MEMORY_LISTED_RANKS = 8       # the end's memory line names every rank up to this many, else the fullest
 MIB_BYTES = 1 << 20
+STEP_TIME_WARMUP = 3          # first steps left out of the measured step time (tracing, first-touch allocation)
 HETPLAN_ROOT = Path(__file__).resolve().parents[2]   # the folder holding planner/, backends/, ...
 
 
@@ -174,8 +178,8 @@ class StepLine:
 class StepReport:
     """`plan run`'s plain lines on `stream`: a step once every rank logged it (read from metrics.jsonl as
     the ranks append to it), at most one line per `every_s` (the newest step then; the run's last step
-    always), and at the end each rank's peak memory beside the plan's estimate and where the metrics
-    and the logs are."""
+    always), and at the end each rank's peak memory and the step time beside the plan's estimates and
+    where the metrics and the logs are."""
 
     def __init__(self, plan: Plan, run_dir: Path, stream: TextIO, steps: int | None = None,
                  every_s: float = PRINT_EVERY_S) -> None:
@@ -188,6 +192,7 @@ class StepReport:
         self._printed_step = -1
         self._printed_at_s = -float("inf")
         self._peak_bytes: dict[int, int] = {}                  # rank -> its highest measured peak
+        self._step_times_s: dict[int, float] = {}              # step -> the slowest rank's time (newest run of it)
 
     def poll(self) -> None:
         """Take the lines added since the last poll; print the newest complete step when one is due."""
@@ -200,8 +205,10 @@ class StepReport:
             records[rank] = record
             if len(records) == self.plan.world_size:
                 del self._logged[step]
+                line = self._step_line(step, list(records.values()))
+                self._step_times_s[step] = line.step_time_s
                 if self._newest is None or step > self._newest.step:
-                    self._newest = self._step_line(step, list(records.values()))
+                    self._newest = line
         last = self.steps is not None and self._newest is not None and self._newest.step == self.steps - 1
         if last or time.monotonic() - self._printed_at_s >= self.every_s:
             self._print_newest()
@@ -212,6 +219,9 @@ class StepReport:
         self._print_newest()
         if self._peak_bytes:
             self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}")
+        step_time = step_time_line(self.plan, self._step_times_s)
+        if step_time is not None:
+            self._write(step_time)
         done = f"{self._printed_step + 1} step(s); " if self._printed_step >= 0 else "no step completed; "
         self._write(f"plan run: {done}metrics: {self.metrics_path}; logs: {log_dir}")
 
@@ -254,6 +264,26 @@ class StepReport:
             print(text, file=self.stream, flush=True)
         except (OSError, ValueError):    # the reader went away (a closed pipe): the run goes on silently
             pass
+
+
+def step_time_line(plan: Plan, step_times_s: dict[int, float]) -> str | None:
+    """`plan run: step time (measured / the plan's estimate): ...`: the median of the slowest rank's step
+    time over the steps after the first STEP_TIME_WARMUP (at least the last step is kept) beside the plan's
+    estimate, and by how much the estimate misses; None under two steps (the first one traces)."""
+    steps = sorted(step_times_s)
+    if len(steps) < 2:
+        return None
+    kept = steps[min(STEP_TIME_WARMUP, len(steps) - 1):]
+    measured_s, estimate_s = statistics.median(step_times_s[s] for s in kept), plan.estimates.iteration_s
+    span = f"step {kept[0]}" if len(kept) == 1 else f"steps {kept[0]}-{kept[-1]}"
+    line = (f"plan run: step time (measured / the plan's estimate): {measured_s:.3f}/{estimate_s:.3f} s "
+            f"(the slowest rank's, median of {span})")
+    if measured_s > 0:
+        off = estimate_s / measured_s - 1.0
+        line += f", the estimate {abs(off):.0%} {'over' if off >= 0 else 'under'}"
+    if any(noted_device_type(w) is not None for w in plan.warnings):
+        line += "; it rests on placeholder figures: `plan profile`, then plan with --calibration FILE"
+    return line
 
 
 class _Forwarder:
