@@ -85,3 +85,10 @@ def test_the_trace_timeout_is_a_run_control_not_a_plan_option() -> None:
     assert "trace_timeout_s" not in PlanOptions.__dataclass_fields__
     assert not any("timeout" in key for key, _ in PlanOptions().as_pairs())
     assert RunControls().trace_timeout_s and RunControls(trace_timeout_s=None).trace_timeout_s is None
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_plan_run_refuses_a_run_that_trains_nothing_before_reading_the_plan(capfd, tmp_path: Path,
+                                                                            steps: str) -> None:
+    code, _, err = run_cli(capfd, ["run", tmp_path / "no-such-plan", "--steps", steps])
+    assert_one_line(code, err, 2, "--steps", f"{steps} is not a number of steps to train", "1 or more", "--dry-run")

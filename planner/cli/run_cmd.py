@@ -91,9 +91,9 @@ def cmd_run(argv: list[str]) -> int:
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise OptionError(f"{args.timeout} is not a positive number of seconds", field="--timeout",
                            fix="pass e.g. --timeout 60")
-    if args.steps < 0:
-        raise OptionError(f"{args.steps} is not a number of steps", field="--steps",
-                           fix="pass --steps 1 or more")
+    if args.steps < 1:   # 0 would start every rank and train nothing (--dry-run builds them without training)
+        raise OptionError(f"{args.steps} is not a number of steps to train", field="--steps",
+                           fix="pass --steps 1 or more (--dry-run builds every rank without training)")
     out = Path(args.out)
     program = out / "program"
     if not (program / "train.py").is_file():
