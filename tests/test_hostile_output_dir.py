@@ -114,3 +114,20 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_the_last_line_names_the_files_and_a_command_that_runs_as_printed(capfd, workdir: Path) -> None:
+    # `-o out/` (the README's spelling) names out/plan.json, not out//plan.json; a folder with a space is quoted
+    # in the command, so the printed `plan run ...` runs as pasted
+    code, out, _ = run_cli(capfd, ["models/model.py", "--cluster", "spec.yaml", "-o", "my runs/out/", *FAST])
+    assert code == 0
+    assert out.splitlines()[-1] == "wrote my runs/out/plan.json and my runs/out/program/ (run: plan run 'my runs/out')"
+    assert (workdir / "my runs" / "out" / "plan.json").is_file()
+
+
+def test_a_folder_name_prints_as_one_inert_line() -> None:
+    from planner.cli.output_dir import wrote_line
+
+    line = wrote_line(Path("runs\x1b[2J\nout"))
+    assert "\x1b" not in line and "\n" not in line
+    assert line.startswith("wrote runs\\x1b[2J\\nout/plan.json and ")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from planner.cli.args import OneLineParser, positive_number, whole_number
-from planner.cli.output_dir import MARKER, check_output_dir
+from planner.cli.output_dir import MARKER, check_output_dir, wrote_line
 from planner.core.errors import printable
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def cmd_estimate(argv: list[str]) -> int:
         write_plan_dir(Path(args.out), planned, found.result, Path(args.model), inputs=inputs, force=args.force)
         for warning in planned.warnings:
             print(f"plan: warning: {printable(warning)}", file=sys.stderr)
-        print(f"wrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
+        print(wrote_line(Path(args.out)))
     return 0
 
 

@@ -11,12 +11,13 @@ holding the model file or the spec (or another input), or a file. The runs of a 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from planner.core.errors import OutputDirError
+from planner.core.errors import OutputDirError, printable
 from planner.core.file_modes import plain_dir_mode, plain_file_mode
 
 MARKER = ".hetplan-output"
@@ -137,3 +138,11 @@ def write_text_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def wrote_line(out: Path, *, program: bool = True) -> str:
+    """The line a command ends with once it wrote the plan directory `out`: its files, as paths (`-o out/` is
+    not `out//plan.json`), and the command that runs it, `out` quoted for a shell; printable either way."""
+    if not program:
+        return printable(f"wrote {out / 'plan.json'} and {out / 'summary.txt'}")
+    return printable(f"wrote {out / 'plan.json'} and {out / 'program'}/ (run: plan run {shlex.quote(str(out))})")

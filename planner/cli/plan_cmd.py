@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.cli.args import OneLineParser, positive_number
-from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
+from planner.cli.output_dir import MARKER, check_output_dir, write_atomically, wrote_line
 from planner.core import interrupts, schedule
 from planner.core.errors import HetplanError, printable
 from planner.core.ir import Plan, ProgramDefaults
@@ -132,9 +132,9 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
     for warning in planned.warnings:
         print(f"plan: warning: {printable(warning)}", file=sys.stderr)
     if cost_only:
-        print(shown + f"\nwrote {args.out}/plan.json and {args.out}/summary.txt")
+        print(shown + "\n" + wrote_line(Path(args.out), program=False))
         return 0
-    print(shown + f"\nwrote {args.out}/plan.json and {args.out}/program/ (run: plan run {args.out})")
+    print(shown + "\n" + wrote_line(Path(args.out)))
     return 0
 
 

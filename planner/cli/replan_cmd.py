@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.cli.args import OneLineParser
-from planner.cli.output_dir import MARKER, check_output_dir
+from planner.cli.output_dir import MARKER, check_output_dir, wrote_line
 from planner.cli.plan_files import load_checked_plan, plan_file
 from planner.core.errors import OptionError, PlanFileError, printable
 from planner.core.ir import Plan
@@ -94,5 +94,5 @@ def replan(out_dir: Path, without: Sequence[str], new_out: Path, *, cluster: str
                                   lineage=lineage(source, without, spec))
     shown = write_plan_dir(new_out, planned, result, model, inputs=inputs, force=force)
     if echo:
-        print(shown + f"\nwrote {new_out}/plan.json and {new_out}/program/ (run: plan run {new_out})")
+        print(shown + "\n" + wrote_line(new_out))
     return planned
