@@ -204,6 +204,9 @@ def test_the_step_time_line_is_the_median_after_warm_up_beside_the_estimate(two_
     # a short run keeps its last step; one step (the trace's) says nothing
     assert "median of step 1)" in step_time_line(calibrated, {0: 5.0, 1: 0.3})
     assert step_time_line(calibrated, {0: 5.0}) is None
+    # shares changed by --rebalance: the estimate was for the planned ones
+    assert step_time_line(calibrated, times, [12]).endswith(
+        "the estimate 20% over; the shares changed after step 12 (--rebalance): the estimate is for the planned ones")
     # a plan on the catalog's placeholder CPU figures says so
     assert p.warnings and "placeholder" in p.warnings[0]
     assert step_time_line(p, times).endswith("it rests on placeholder figures: `plan profile`, then plan with "
@@ -287,3 +290,25 @@ def test_the_rank_that_failed_first_is_named_with_its_own_error_not_a_peer_s(two
     assert line.startswith(f"plan run: rank 1 (replica {replica.index} stage {stage.index} on {stage.device_label}, "
                            f"{stage.device_type}) exited with code 1 before its first step: "
                            "train.py: rank 1 ran out of memory; the other ranks were stopped"), line
+
+
+def test_the_step_time_line_says_when_a_rebalance_changed_the_shares(two_rank_plan, tmp_path):
+    _, p = two_rank_plan
+    path = tmp_path / metrics.METRICS_FILE
+    report, printed = _report(p, tmp_path, every_s=0.0, steps=6)
+    for step in range(6):
+        for rank in (0, 1):
+            if rank == 0 and step in (2, 4):   # rank 0's line records a rebalance: step 2's applied, step 4's refused
+                line = (f'{{"rank": 0, "step": {step}, "loss": 1.0, "step_time_s": {0.1 + step / 100}, '
+                        f'"peak_memory_bytes": {MIB}, "peak_reserved_bytes": null, '
+                        f'"rebalance": {{"applied": {"true" if step == 2 else "false"}}}}}\n')
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                metrics.append_line(fd, line.encode(), str(path))
+                os.close(fd)
+            else:
+                _append(path, rank, step, 1.0, 0.1 + step / 100, MIB)
+        report.poll()
+    report.finish(tmp_path / "logs")
+    step_time = next(ln for ln in printed if ln.startswith("plan run: step time"))
+    assert "median of steps 3-5" in step_time
+    assert "the shares changed after step 2 (--rebalance): the estimate is for the planned ones" in step_time

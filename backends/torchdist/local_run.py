@@ -193,6 +193,7 @@ class StepReport:
         self._printed_at_s = -float("inf")
         self._peak_bytes: dict[int, int] = {}                  # rank -> its highest measured peak
         self._step_times_s: dict[int, float] = {}              # step -> the slowest rank's time (newest run of it)
+        self._rebalanced_after: set[int] = set()               # steps after which new shares were applied
 
     def poll(self) -> None:
         """Take the lines added since the last poll; print the newest complete step when one is due."""
@@ -201,6 +202,9 @@ class StepReport:
             if not isinstance(step, int) or not isinstance(rank, int):
                 continue
             self._note_memory(rank, record)
+            rebalance = record.get("rebalance")
+            if isinstance(rebalance, dict) and rebalance.get("applied"):
+                self._rebalanced_after.add(step)
             records = self._logged.setdefault(step, {})
             records[rank] = record
             if len(records) == self.plan.world_size:
@@ -219,7 +223,7 @@ class StepReport:
         self._print_newest()
         if self._peak_bytes:
             self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}")
-        step_time = step_time_line(self.plan, self._step_times_s)
+        step_time = step_time_line(self.plan, self._step_times_s, sorted(self._rebalanced_after))
         if step_time is not None:
             self._write(step_time)
         done = f"{self._printed_step + 1} step(s); " if self._printed_step >= 0 else "no step completed; "
@@ -266,10 +270,12 @@ class StepReport:
             pass
 
 
-def step_time_line(plan: Plan, step_times_s: dict[int, float]) -> str | None:
+def step_time_line(plan: Plan, step_times_s: dict[int, float], rebalanced_after: Sequence[int] = ()) -> str | None:
     """`plan run: step time (measured / the plan's estimate): ...`: the median of the slowest rank's step
     time over the steps after the first STEP_TIME_WARMUP (at least the last step is kept) beside the plan's
-    estimate, and by how much the estimate misses; None under two steps (the first one traces)."""
+    estimate, and by how much the estimate misses; None under two steps (the first one traces). Where
+    --rebalance changed the shares (after the steps `rebalanced_after`), it says so: the estimate is the
+    planned shares'."""
     steps = sorted(step_times_s)
     if len(steps) < 2:
         return None
@@ -281,6 +287,9 @@ def step_time_line(plan: Plan, step_times_s: dict[int, float]) -> str | None:
     if measured_s > 0:
         off = estimate_s / measured_s - 1.0
         line += f", the estimate {abs(off):.0%} {'over' if off >= 0 else 'under'}"
+    if rebalanced_after:
+        line += (f"; the shares changed after step {', '.join(map(str, rebalanced_after))} (--rebalance): the "
+                 "estimate is for the planned ones")
     if any(noted_device_type(w) is not None for w in plan.warnings):
         line += "; it rests on placeholder figures: `plan profile`, then plan with --calibration FILE"
     return line
