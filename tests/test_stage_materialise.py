@@ -4,6 +4,7 @@ the whole model (backends/torchdist/program/materialise.py), and the dry run bui
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -119,8 +120,10 @@ def test_dry_run_builds_every_rank_of_a_many_rank_plan_on_meta(tmp_path):
                         "--global-batch", "64", "--no-runners-up", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     plan = Plan.load(out)
-    run = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(out), "--dry-run"], capture_output=True,
-                         text=True, timeout=600, cwd=REPO)
+    # the folder given relative to the working directory, as the README's `plan run out/` gives it
+    path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)
+    run = subprocess.run([sys.executable, "-m", "planner.cli", "run", "out/", "--dry-run"], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
     assert run.returncode == 0, run.stderr
     assert "every replica holds all" in run.stdout
     records = json.loads((out / "dry_run.json").read_text())

@@ -42,6 +42,7 @@ def dry_run(plan: Plan, program_dir: Path, out_dir: Path, *, seed: int = 0,
     out_dir/dry_run.json. Raises DryRunError with the failing process's last line."""
     records: list[dict[str, object]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    program_dir = program_dir.resolve()     # the script runs in that folder: a relative path would not reach it
     for replicas in replica_shapes(plan).values():
         cmd = [sys.executable, str(program_dir / "dry_run.py"), "--replica", str(replicas[0]), "--seed", str(seed)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=program_dir)
