@@ -207,6 +207,11 @@ def test_the_step_time_line_is_the_median_after_warm_up_beside_the_estimate(two_
     # shares changed by --rebalance: the estimate was for the planned ones
     assert step_time_line(calibrated, times, [12]).endswith(
         "the estimate 20% over; the shares changed after step 12 (--rebalance): the estimate is for the planned ones")
+    # CPU processes standing in for GPUs: the estimate is for those, no miss claimed
+    emulated = step_time_line(calibrated, times, (), ["A100-40GB", "V100\x1b[2J"])
+    assert emulated == ("plan run: step time (measured / the plan's estimate): 0.250/0.300 s (the slowest rank's, "
+                        "median of steps 13-17); CPU processes stood in for the plan's A100-40GB, V100\\x1b[2J (no GPU "
+                        "here): the estimate is for those devices")
     # a plan on the catalog's placeholder CPU figures says so
     assert p.warnings and "placeholder" in p.warnings[0]
     assert step_time_line(p, times).endswith("it rests on placeholder figures: `plan profile`, then plan with "

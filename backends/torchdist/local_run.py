@@ -45,10 +45,12 @@ import torch.distributed as dist
 
 from backends.report.progress import Progress
 from costmodel.placeholders import noted_device_type
+from planner.core.errors import printable
 from planner.core.ir import Plan
 
 from .program.memory import EMULATE_ENV
 from .program.metrics import METRICS_FILE, MetricsFollower
+from .program.placement import emulated_device_types
 from .program.process_group import STORE_ENV
 from .run_failures import LAUNCHER_LOG, LOG_DIR, failure_line
 
@@ -223,7 +225,8 @@ class StepReport:
         self._print_newest()
         if self._peak_bytes:
             self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}")
-        step_time = step_time_line(self.plan, self._step_times_s, sorted(self._rebalanced_after))
+        step_time = step_time_line(self.plan, self._step_times_s, sorted(self._rebalanced_after),
+                                   emulated_device_types(self.plan))
         if step_time is not None:
             self._write(step_time)
         done = f"{self._printed_step + 1} step(s); " if self._printed_step >= 0 else "no step completed; "
@@ -270,12 +273,14 @@ class StepReport:
             pass
 
 
-def step_time_line(plan: Plan, step_times_s: dict[int, float], rebalanced_after: Sequence[int] = ()) -> str | None:
+def step_time_line(plan: Plan, step_times_s: dict[int, float], rebalanced_after: Sequence[int] = (),
+                   emulated: Sequence[str] = ()) -> str | None:
     """`plan run: step time (measured / the plan's estimate): ...`: the median of the slowest rank's step
     time over the steps after the first STEP_TIME_WARMUP (at least the last step is kept) beside the plan's
     estimate, and by how much the estimate misses; None under two steps (the first one traces). Where
     --rebalance changed the shares (after the steps `rebalanced_after`), it says so: the estimate is the
-    planned shares'."""
+    planned shares'; where CPU processes stood in for the plan's devices (`emulated` types: no GPU here),
+    the estimate is for those devices and no miss is claimed."""
     steps = sorted(step_times_s)
     if len(steps) < 2:
         return None
@@ -284,6 +289,9 @@ def step_time_line(plan: Plan, step_times_s: dict[int, float], rebalanced_after:
     span = f"step {kept[0]}" if len(kept) == 1 else f"steps {kept[0]}-{kept[-1]}"
     line = (f"plan run: step time (measured / the plan's estimate): {measured_s:.3f}/{estimate_s:.3f} s "
             f"(the slowest rank's, median of {span})")
+    if emulated:
+        return (f"{line}; CPU processes stood in for the plan's {', '.join(printable(t) for t in emulated)} (no "
+                "GPU here): the estimate is for those devices")
     if measured_s > 0:
         off = estimate_s / measured_s - 1.0
         line += f", the estimate {abs(off):.0%} {'over' if off >= 0 else 'under'}"

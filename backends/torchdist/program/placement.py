@@ -157,6 +157,13 @@ def uses_cuda(stage: StagePlan) -> bool:
     return torch.cuda.is_available() and not stage.device_type.upper().startswith("CPU")
 
 
+def emulated_device_types(plan: Plan) -> list[str]:
+    """The plan's device types that ranks on this machine run as CPU processes (no GPU here, `uses_cuda`):
+    their timings are not the plan's devices'."""
+    return list(dict.fromkeys(st.device_type for r in plan.replicas for st in r.stages
+                              if not st.device_type.upper().startswith("CPU") and not uses_cuda(st)))
+
+
 def gpu_mismatch(device_type: str, needed_bytes: float, found_name: str, found_bytes: int) -> str | None:
     """Why a GPU called `found_name` with `found_bytes` is not the planned `device_type` that must hold
     `needed_bytes` (the plan's memory for the device), or None when it is.
