@@ -317,3 +317,20 @@ def test_the_step_time_line_says_when_a_rebalance_changed_the_shares(two_rank_pl
     step_time = next(ln for ln in printed if ln.startswith("plan run: step time"))
     assert "median of steps 3-5" in step_time
     assert "the shares changed after step 2 (--rebalance): the estimate is for the planned ones" in step_time
+
+
+def test_a_resumed_runs_step_time_counts_its_own_steps(two_rank_plan, tmp_path):
+    _, p = two_rank_plan
+    path = tmp_path / metrics.METRICS_FILE
+    for step in range(6):                      # the earlier run's steps 0-5, slow
+        for rank in (0, 1):
+            _append(path, rank, step, 1.0, 9.0, MIB)
+    report, printed = _report(p, tmp_path, every_s=0.0, steps=10)
+    for step in range(4, 10):                  # resumed from its step 4 checkpoint: steps 4-9, fast
+        for rank in (0, 1):
+            _append(path, rank, step, 1.0, 0.5 if step < 7 else 0.1, MIB)
+        report.poll()
+    report.finish(tmp_path / "logs")
+    step_time = next(ln for ln in printed if ln.startswith("plan run: step time"))
+    assert "0.100/" in step_time and "median of steps 7-9" in step_time     # its own first 3 steps warm up
+    assert printed[-1].startswith("plan run: 10 step(s); ")

@@ -196,10 +196,13 @@ class StepReport:
         self._peak_bytes: dict[int, int] = {}                  # rank -> its highest measured peak
         self._step_times_s: dict[int, float] = {}              # step -> the slowest rank's time (newest run of it)
         self._rebalanced_after: set[int] = set()               # steps after which new shares were applied
+        # what the file holds already (a resumed run's earlier steps): shown, but not this run's step time
+        self._earlier = self._follower.new_records()
 
     def poll(self) -> None:
         """Take the lines added since the last poll; print the newest complete step when one is due."""
-        for record in self._follower.new_records():
+        earlier, self._earlier = self._earlier, []
+        for fresh, record in [(False, r) for r in earlier] + [(True, r) for r in self._follower.new_records()]:
             step, rank = record.get("step"), record.get("rank")
             if not isinstance(step, int) or not isinstance(rank, int):
                 continue
@@ -212,7 +215,8 @@ class StepReport:
             if len(records) == self.plan.world_size:
                 del self._logged[step]
                 line = self._step_line(step, list(records.values()))
-                self._step_times_s[step] = line.step_time_s
+                if fresh:
+                    self._step_times_s[step] = line.step_time_s
                 if self._newest is None or step > self._newest.step:
                     self._newest = line
         last = self.steps is not None and self._newest is not None and self._newest.step == self.steps - 1
