@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from backends.report.diff import diff_text, explain
@@ -49,3 +51,28 @@ def test_diff_of_a_missing_plan_is_one_line(two_plans, tmp_path, capsys):
     assert main(["diff", str(two_plans[0]), str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "nothing: no plan here" in err
+
+
+def test_a_plan_moved_to_other_devices_is_not_the_same_plan(two_plans, capsys):
+    # the same layout re-planned without one of its devices lands on the next node: only `devices` differs
+    one = two_plans[0]
+    moved = one.parent / "moved"
+    a = Plan.load(one)
+    assert a.devices == ("a100/0:0", "a100/0:1", "a100/0:2", "a100/0:3")
+    assert main(["replan", str(one), "--without", "a100/0:1", "-o", str(moved)]) == 0
+    capsys.readouterr()
+    b = Plan.load(moved)
+    assert b.devices == ("a100/1:0", "a100/1:1", "a100/1:2", "a100/1:3")
+    text = diff_text(a, b)
+    assert "the same plan" not in text
+    row = next(cells for cells in map(str.split, text.splitlines()) if cells[:1] == ["devices"] and cells[1] != "used")
+    assert row == ["devices", "a100/0:0-3", "a100/1:0-3"]
+
+
+def test_devices_alike_on_nodes_in_a_row_read_as_one(two_plans):
+    from backends.report.diff import _device_set
+
+    a = Plan.load(two_plans[1])                       # every device of seed-mixed-32
+    assert _device_set(a) == _device_set(dataclasses.replace(a, devices=tuple(sorted(a.devices, reverse=True))))
+    labels = [f"a100/{n}:{k}" for n in range(4) for k in range(8)] + ["v100/4:0", "v100/4:2", "v100/5:0", "v100/5:2"]
+    assert _device_set(dataclasses.replace(a, devices=tuple(labels))) == "a100/0-3:0-7, v100/4-5:0,2"

@@ -1,6 +1,6 @@
 """`plan diff A B`: what changed between two plans, and what it costs.
 
-Side by side: devices, replicas and their stages, batch shares, micro-batches, schedules,
+Side by side: devices (how many, and which), replicas and their stages, batch shares, micro-batches, schedules,
 recompute, gradient compressors and activation compressors, the estimates; then the estimate's
 delta explained the way the runners-up are (pipeline, gradient sync, devices).
 """
@@ -49,6 +49,7 @@ def _facts(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
         ("cluster", lambda p: printable(p.inputs.cluster_name)),
         ("global batch", lambda p: str(p.global_batch)),
         ("devices used", lambda p: str(p.world_size)),
+        ("devices", _device_set),
         ("layout", layout),
         ("stage blocks", _stage_blocks),
         ("batch shares", lambda p: " ".join(str(r.batch_share) for r in p.replicas)),
@@ -71,6 +72,50 @@ def _facts(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
     ):
         out.append((label, fn(a), fn(b)))
     return out
+
+
+def _device_set(plan: Plan) -> str:
+    """The devices the plan runs on, whatever its rank order, node by node (`group/node:local` labels):
+    `a100/0:0-3`, and nodes alike in a row as one, `a100/0-63:0-7, h100/64-65:0-3` (a plan re-planned on
+    other devices differs here alone)."""
+    nodes: dict[tuple[str, str], list[str]] = {}
+    for label in plan.devices:
+        where, _, local = label.rpartition(":")
+        group, _, node = where.rpartition("/")
+        nodes.setdefault((group, node), []).append(local)
+    runs: list[tuple[str, list[str], str]] = []          # (group, nodes in a row, their locals)
+    for (group, node), locals_ in sorted(nodes.items(), key=lambda kv: (kv[0][0], _number_first(kv[0][1]))):
+        mine = _ranges(locals_)
+        if runs and runs[-1][0] == group and runs[-1][2] == mine and _follows(runs[-1][1][-1], node):
+            runs[-1][1].append(node)
+        else:
+            runs.append((group, [node], mine))
+    return printable(", ".join(f"{group}/{_ranges(names)}:{mine}" for group, names, mine in runs))
+
+
+def _number_first(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (-1, name)
+
+
+def _follows(before: str, after: str) -> bool:
+    return before.isdigit() and after.isdigit() and int(after) == int(before) + 1
+
+
+def _ranges(names: list[str]) -> str:
+    """`0-3` for 0 1 2 3, `0,2` for 0 2; names that are not numbers as they are."""
+    if not all(n.isdigit() for n in names):
+        return ",".join(names)
+    out: list[str] = []
+    numbers = sorted(int(n) for n in names)
+    start = prev = numbers[0]
+    for n in [*numbers[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if n is not None:
+            start = prev = n
+    return ",".join(out)
 
 
 def _stage_blocks(plan: Plan) -> str:
