@@ -131,3 +131,20 @@ def test_a_folder_name_prints_as_one_inert_line() -> None:
     line = wrote_line(Path("runs\x1b[2J\nout"))
     assert "\x1b" not in line and "\n" not in line
     assert line.startswith("wrote runs\\x1b[2J\\nout/plan.json and ")
+
+
+def test_an_export_folder_is_refused_under_its_own_option_with_a_fix_that_works(capfd, workdir: Path) -> None:
+    code, _ = plan_to(capfd, "out")
+    assert code == 0
+    before = files_under(workdir.parent)
+    code, _, err = run_cli(capfd, ["export", "out", "--onnx", "out/program"])
+    # the line names --onnx (not -o), and the directory it suggests holds none of the inputs: not `out`
+    line = assert_one_line(code, err, 2, "--onnx out/program holds the input", "e.g. --onnx stages)")
+    assert "-o " not in line
+    assert files_under(workdir.parent) == before
+    # a suggested name that exists already, or holds an input, is numbered
+    code, err = plan_to(capfd, ".")
+    assert_one_line(code, err, 2, "-o . is the current directory", "e.g. -o out2)")   # out/ is there
+    (workdir / "stages").mkdir()
+    code, _, err = run_cli(capfd, ["export", "out", "--onnx", "out/program"])
+    assert_one_line(code, err, 2, "e.g. --onnx stages2)")

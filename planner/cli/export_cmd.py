@@ -95,7 +95,7 @@ def cmd_export(argv: list[str]) -> int:
                             f"by {worst.max_abs_diff:.3g}, more than --tolerance {args.tolerance:g}",
                             fix="report this with the model file; nothing was written")
 
-    write_atomically(Path(args.onnx), fill, inputs=inputs, force=args.force)
+    write_atomically(Path(args.onnx), fill, inputs=inputs, force=args.force, option="--onnx")
     print(stage_table(files))
     opsets = sorted({f.opset for f in files})
     print(f"\nwrote {len(files)} ONNX file(s) to {args.onnx} (opset {', '.join(map(str, opsets))}); every stage "
@@ -133,7 +133,7 @@ def _export_weights(args: argparse.Namespace, plan: Plan) -> int:
                                    strip_prefix=args.strip_prefix))
 
     write_atomically(Path(args.safetensors), fill, inputs=[plan_file(args.out), model_path, checkpoint],
-                     force=args.force)
+                     force=args.force, option="--safetensors")
     result = done[0]
     print(f"wrote {result.tensors} tensors ({_size(result.total_bytes)}) in {len(result.files)} file(s) to "
           f"{args.safetensors}, from {result.checkpoint} (after {result.step} steps)")

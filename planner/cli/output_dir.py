@@ -24,60 +24,83 @@ MARKER = ".hetplan-output"
 MARKER_TEXT = "hetplan output 1: written by `plan -o`, which may replace this directory whole\n"
 
 
-def check_output_dir(out: Path, *, inputs: Iterable[str | Path] = (), force: bool = False) -> Path:
+def check_output_dir(out: Path, *, inputs: Iterable[str | Path] = (), force: bool = False,
+                     option: str = "-o") -> Path:
     """The absolute directory `plan -o out` may write; raises OutputDirError (one line: which rule,
     and the fix) when writing there could delete a file of the user's. `inputs` are the files the run
-    reads (model file, spec, ...): no directory above one of them is replaced."""
+    reads (model file, spec, ...): no directory above one of them is replaced. `option`: the command's
+    option that named `out` (`plan export --onnx DIR`), as the line names it."""
+    inputs = tuple(inputs)
     target = out.resolve()
     here = Path.cwd().resolve()
     if target == here or target in here.parents:
         what = "the current directory" if target == here else "a directory above the current one"
-        raise OutputDirError(f"-o {out} is {what}; replacing it would delete everything in it",
-                             fix="name a new directory for the plan, e.g. -o out")
+        raise OutputDirError(f"{option} {out} is {what}; replacing it would delete everything in it",
+                             fix=f"name a new directory, e.g. {option} {free_name(option, inputs)}")
     for path in inputs:
         source = Path(path).resolve()
         if target in source.parents:
-            raise OutputDirError(f"-o {out} holds the input {path}; replacing it would delete it",
-                                 fix="name a directory that holds none of the inputs, e.g. -o out")
+            raise OutputDirError(f"{option} {out} holds the input {path}; replacing it would delete it",
+                                 fix=f"name a directory that holds none of the inputs, e.g. {option} "
+                                     f"{free_name(option, inputs)}")
     if target.exists() and not target.is_dir():
-        raise OutputDirError(f"-o {out} is a file, not a directory",
-                             fix="name a directory for the plan (a new one, or a previous plan's)")
+        raise OutputDirError(f"{option} {out} is a file, not a directory",
+                             fix="name a directory (a new one, or one hetplan wrote before)")
     try:
         foreign = target.is_dir() and not (target / MARKER).is_file() and any(target.iterdir())
     except OSError as exc:
-        raise OutputDirError(f"cannot read -o {out}: {exc.strerror or exc}", fix="name a readable directory") from exc
+        raise OutputDirError(f"cannot read {option} {out}: {exc.strerror or exc}",
+                             fix="name a readable directory") from exc
     if foreign and not force:
-        raise OutputDirError(f"-o {out} is a directory hetplan did not write (no {MARKER} in it), and not "
+        raise OutputDirError(f"{option} {out} is a directory hetplan did not write (no {MARKER} in it), and not "
                              "empty: replacing it would delete its files",
                              fix="name a new directory, or pass --force to replace this one")
     return target
 
 
 def write_atomically(out: Path, fill: Callable[[Path], None], *, inputs: Iterable[str | Path] = (),
-                     force: bool = False) -> None:
+                     force: bool = False, option: str = "-o") -> None:
     """Build the output in a temporary sibling directory with `fill`, mark it as hetplan's, then swap it
     in for `out` (checked with check_output_dir first, and again just before the swap)."""
     inputs = tuple(inputs)
-    target = check_output_dir(out, inputs=inputs, force=force)
+    target = check_output_dir(out, inputs=inputs, force=force, option=option)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     except OSError as exc:
-        raise OutputDirError(f"cannot create a directory beside -o {out}: {exc.strerror or exc}",
+        raise OutputDirError(f"cannot create a directory beside {option} {out}: {exc.strerror or exc}",
                              fix="name a directory in a writable place") from exc
     try:
         os.chmod(tmp, plain_dir_mode())          # mkdtemp's 0700, as a plain mkdir would have it
         fill(tmp)
         (tmp / MARKER).write_text(MARKER_TEXT)
-        check_output_dir(out, inputs=inputs, force=force)   # what is there now, not when planning began
+        check_output_dir(out, inputs=inputs, force=force, option=option)   # what is there now, not at the start
         _swap(tmp, target)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputDirError(f"cannot write -o {out}: {exc.strerror or exc}",
+        raise OutputDirError(f"cannot write {option} {out}: {exc.strerror or exc}",
                              fix="free space or choose a writable directory") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# the README's names for each option's directory, the first one tried in a fix
+SUGGESTED_NAMES = {"-o": "out", "--onnx": "stages", "--safetensors": "trained"}
+
+
+def free_name(option: str, inputs: Iterable[str | Path] = ()) -> str:
+    """A directory name a fix may suggest for `option`: the README's (`out`), or that name numbered (`out2`,
+    ...) where it exists already or holds one of `inputs` (suggesting `-o out` to a `-o out/program` that
+    holds the plan it reads would be refused in turn)."""
+    base = SUGGESTED_NAMES.get(option, "out")
+    sources = [Path(p).resolve() for p in inputs]
+    for n in range(1, 1000):
+        name = base if n == 1 else f"{base}{n}"
+        target = Path(name).resolve()
+        if not target.exists() and not any(target in source.parents for source in sources):
+            return name
+    return base
 
 
 def _swap(tmp: Path, target: Path) -> None:
