@@ -386,3 +386,12 @@ def test_cli_unknown_device_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{tmp_path / 'mine.yaml'}: replicas[1].devices: the cluster has no node group or device type 'a100'" in err
     assert "fix: name one of the groups fast, slow" in err and not out.exists()
+
+
+def test_a_shorthand_lacking_keys_is_shown_completed_and_the_completion_parses():
+    with pytest.raises(OptionError) as err:
+        load_layout("dp=3, pp=2")
+    assert err.value.message == "the shorthand lacks tp, mb"
+    assert err.value.fix == "give dp, tp, pp and mb, e.g. 'dp=3, pp=2,tp=1,mb=1'"
+    completed = load_layout("dp=3, pp=2,tp=1,mb=1")
+    assert completed.shorthand is not None and (completed.shorthand.tp, completed.shorthand.mb) == (1, 1)

@@ -165,8 +165,9 @@ def parse_shorthand(text: str) -> Shorthand:
         values[key] = number
     missing = [k for k in ("dp", "tp", "pp", "mb") if k not in values]
     if missing:
+        completed = ",".join([text.strip(), *(f"{k}=1" for k in missing)])
         raise OptionError(f"the shorthand lacks {', '.join(missing)}", field=f"{flag} {missing[0]}",
-                          fix="give dp, tp, pp and mb, e.g. dp=4,tp=2,pp=2,mb=1")
+                          fix=f"give dp, tp, pp and mb, e.g. {echo(completed)}")
     if values["tp"] not in TP_DEGREES:
         raise OptionError(f"tp={values['tp']} is not a tensor-parallel degree", field=f"{flag} tp",
                           fix="give tp=1, 2, 4 or 8")
