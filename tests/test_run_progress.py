@@ -132,12 +132,13 @@ def test_plan_run_prints_each_slow_step_while_it_trains_then_memory_metrics_and_
                          f"logs: {out / 'run' / 'logs'}")
 
 
-def _append(path: Path, rank: int, step: int, loss: float, step_time_s: float, peak_bytes: int) -> None:
-    """One rank's metrics line, appended as the program appends it."""
+def _append(path: Path, rank: int, step: int, loss: float, step_time_s: float, peak_bytes: int,
+            more: str = "") -> None:
+    """One rank's metrics line, appended as the program appends it (`more`: further fields, `, "k": v`)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         line = (f'{{"rank": {rank}, "step": {step}, "loss": {loss}, "step_time_s": {step_time_s}, '
-                f'"peak_memory_bytes": {peak_bytes}, "peak_reserved_bytes": null}}\n')
+                f'"peak_memory_bytes": {peak_bytes}, "peak_reserved_bytes": null{more}}}\n')
         metrics.append_line(fd, line.encode(), str(path))
     finally:
         os.close(fd)
@@ -302,16 +303,10 @@ def test_the_step_time_line_says_when_a_rebalance_changed_the_shares(two_rank_pl
     path = tmp_path / metrics.METRICS_FILE
     report, printed = _report(p, tmp_path, every_s=0.0, steps=6)
     for step in range(6):
-        for rank in (0, 1):
-            if rank == 0 and step in (2, 4):   # rank 0's line records a rebalance: step 2's applied, step 4's refused
-                line = (f'{{"rank": 0, "step": {step}, "loss": 1.0, "step_time_s": {0.1 + step / 100}, '
-                        f'"peak_memory_bytes": {MIB}, "peak_reserved_bytes": null, '
-                        f'"rebalance": {{"applied": {"true" if step == 2 else "false"}}}}}\n')
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                metrics.append_line(fd, line.encode(), str(path))
-                os.close(fd)
-            else:
-                _append(path, rank, step, 1.0, 0.1 + step / 100, MIB)
+        for rank in (0, 1):      # rank 0's line records a rebalance at step 2 (applied) and 4 (refused)
+            applied = {2: "true", 4: "false"}.get(step) if rank == 0 else None
+            _append(path, rank, step, 1.0, 0.1 + step / 100, MIB,
+                    f', "rebalance": {{"applied": {applied}}}' if applied else "")
         report.poll()
     report.finish(tmp_path / "logs")
     step_time = next(ln for ln in printed if ln.startswith("plan run: step time"))
