@@ -329,3 +329,26 @@ def test_a_resumed_runs_step_time_counts_its_own_steps(two_rank_plan, tmp_path):
     step_time = next(ln for ln in printed if ln.startswith("plan run: step time"))
     assert "0.100/" in step_time and "median of steps 7-9" in step_time     # its own first 3 steps warm up
     assert printed[-1].startswith("plan run: 10 step(s); ")
+
+
+def test_a_gpu_plan_run_on_cpu_says_its_estimates_are_for_the_gpus(two_rank_plan, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a machine with a GPU the plan's GPU ranks run there")
+    _, p = two_rank_plan
+    on_a100 = dataclasses.replace(p, replicas=tuple(dataclasses.replace(r, stages=tuple(
+        dataclasses.replace(st, device_type="A100-40GB") for st in r.stages)) for r in p.replicas))
+    path = tmp_path / metrics.METRICS_FILE
+    report, printed = _report(on_a100, tmp_path, every_s=0.0, steps=4)
+    for step in range(4):
+        for rank in (0, 1):
+            _append(path, rank, step, 1.0, 0.1, MIB)
+        report.poll()
+    report.finish(tmp_path / "logs")
+    memory = next(ln for ln in printed if ln.startswith("plan run: peak memory"))
+    assert memory.endswith(" MiB (CPU processes stood in for the plan's A100-40GB: the estimates are for those "
+                           "devices)")
+    step_time = next(ln for ln in printed if ln.startswith("plan run: step time"))
+    assert step_time.endswith("CPU processes stood in for the plan's A100-40GB (no GPU here): the estimate is for "
+                              "those devices")

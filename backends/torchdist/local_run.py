@@ -227,10 +227,12 @@ class StepReport:
         """The lines of a run that ended: its last step, the memory per rank, the metrics and the logs."""
         self.poll()
         self._print_newest()
+        emulated = emulated_device_types(self.plan)
         if self._peak_bytes:
-            self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}")
-        step_time = step_time_line(self.plan, self._step_times_s, sorted(self._rebalanced_after),
-                                   emulated_device_types(self.plan))
+            stood_in = (f" (CPU processes stood in for the plan's {', '.join(printable(t) for t in emulated)}: the "
+                        "estimates are for those devices)") if emulated else ""
+            self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}{stood_in}")
+        step_time = step_time_line(self.plan, self._step_times_s, sorted(self._rebalanced_after), emulated)
         if step_time is not None:
             self._write(step_time)
         done = f"{self._printed_step + 1} step(s); " if self._printed_step >= 0 else "no step completed; "
