@@ -148,3 +148,22 @@ def test_an_export_folder_is_refused_under_its_own_option_with_a_fix_that_works(
     (workdir / "stages").mkdir()
     code, _, err = run_cli(capfd, ["export", "out", "--onnx", "out/program"])
     assert_one_line(code, err, 2, "e.g. --onnx stages2)")
+
+
+def test_an_html_page_never_replaces_a_file_of_the_users(capfd, workdir: Path) -> None:
+    code, _ = plan_to(capfd, "out")
+    assert code == 0
+    before = files_under(workdir.parent)
+    for flags, words in ((["--html", "notes.txt"], ["--html notes.txt is a file hetplan did not write", "--force"]),
+                         (["--html", "models/model.py", "--force"], ["an input of this command"]),
+                         (["--html", "out/plan.json", "--force"], ["an input of this command"]),
+                         (["--html", "spec.yaml", "--force"], ["an input of this command"])):
+        code, _, err = run_cli(capfd, ["inspect", "out", *flags])
+        assert_one_line(code, err, 2, *words)
+    assert files_under(workdir.parent) == before
+    # a page it wrote is replaced; another file only with --force
+    for _ in range(2):
+        code, _, _ = run_cli(capfd, ["inspect", "out", "--html", "report.html"])
+        assert code == 0 and (workdir / "report.html").read_text().startswith("<!DOCTYPE html>")
+    code, _, _ = run_cli(capfd, ["inspect", "out", "--html", "notes.txt", "--force"])
+    assert code == 0 and "<title>hetplan: " in (workdir / "notes.txt").read_text()

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from backends.report.html import render_html
+from backends.report.html import PAGE_MARK, render_html
 from backends.report.terminal import memory_table, runners_up_section, simulation_section, summary
 from backends.report.text import printable
 from backends.sim import simulate_plan
 from planner.cli.args import OneLineParser
-from planner.cli.output_dir import write_text_atomically
-from planner.cli.plan_files import load_checked_plan, recorded_spec
+from planner.cli.output_dir import check_output_file, write_text_atomically
+from planner.cli.plan_files import load_checked_plan, plan_file, recorded_spec
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import OptionError, SpecError
 from planner.core.ir import Plan
@@ -34,12 +34,18 @@ def inspect_parser() -> argparse.ArgumentParser:
                    help="show the plan even if the model file or the spec changed since planning")
     p.add_argument("--html", type=Path, default=None, metavar="FILE",
                    help="write the plan as one self-contained HTML page (cluster, timeline, memory, why) instead")
+    p.add_argument("--force", action="store_true",
+                   help="with --html: replace FILE even when it is not a page plan inspect wrote")
     return p
 
 
 def cmd_inspect(argv: list[str]) -> int:
     args = inspect_parser().parse_args(argv)
     plan = load_checked_plan(args.out, allow_changed=args.allow_changed)
+    if args.html is not None:     # before anything is simulated: a page never replaces a file of the user's
+        inputs = [plan_file(args.out), plan.inputs.model_path, plan.inputs.cluster_path, args.cluster or ""]
+        check_output_file(args.html, option="--html", ours=PAGE_MARK, force=args.force,
+                          inputs=[p for p in inputs if p])
     spec_path = args.cluster or recorded_spec(plan)
     spec = _cluster_planned_on(plan, spec_path) if spec_path else None
     if spec is not None:
