@@ -13,6 +13,7 @@ import pytest
 
 from costmodel.placeholders import NOTE_PREFIX
 from planner.cli.output_dir import MARKER
+from tests.helpers import REPO
 from tests.hostile import CPU4, MLP, assert_one_line, files_under, run_cli
 
 FAST = ["--global-batch", "8", "--no-runners-up"]
@@ -167,3 +168,17 @@ def test_an_html_page_never_replaces_a_file_of_the_users(capfd, workdir: Path) -
         assert code == 0 and (workdir / "report.html").read_text().startswith("<!DOCTYPE html>")
     code, _, _ = run_cli(capfd, ["inspect", "out", "--html", "notes.txt", "--force"])
     assert code == 0 and "<title>hetplan: " in (workdir / "notes.txt").read_text()
+
+
+def test_a_profile_never_replaces_a_file_of_the_users(capfd, workdir: Path) -> None:
+    from planner.profiling.command import is_calibration
+
+    before = files_under(workdir.parent)
+    code, _, err = run_cli(capfd, ["profile", "--out", "notes.txt", "--quick"])     # refused before measuring
+    assert_one_line(code, err, 2, "--out notes.txt is a file hetplan did not write", "--force")
+    code, _, err = run_cli(capfd, ["profile", "--out", "models/model.py", "--model", "models/model.py", "--force"])
+    assert_one_line(code, err, 2, "--out models/model.py is an input of this command")
+    assert files_under(workdir.parent) == before
+    # what it may replace: a calibration file plan profile wrote (the repository's own)
+    assert is_calibration((REPO / "benchmarks" / "results" / "calibration.json").read_bytes())
+    assert not is_calibration(b'{"comm": {}}') and not is_calibration((workdir / "notes.txt").read_bytes())

@@ -17,11 +17,12 @@ from backends.report.terminal import memory_table, runners_up_section, simulatio
 from backends.report.text import printable
 from backends.sim import simulate_plan
 from planner.cli.args import OneLineParser
-from planner.cli.output_dir import check_output_file, write_text_atomically
+from planner.cli.output_dir import write_text_atomically
 from planner.cli.plan_files import load_checked_plan, plan_file, recorded_spec
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import OptionError, SpecError
 from planner.core.ir import Plan
+from planner.core.output_file import check_output_file
 from planner.frontend.cluster import load_cluster
 
 
@@ -44,8 +45,8 @@ def cmd_inspect(argv: list[str]) -> int:
     plan = load_checked_plan(args.out, allow_changed=args.allow_changed)
     if args.html is not None:     # before anything is simulated: a page never replaces a file of the user's
         inputs = [plan_file(args.out), plan.inputs.model_path, plan.inputs.cluster_path, args.cluster or ""]
-        check_output_file(args.html, option="--html", ours=PAGE_MARK, force=args.force,
-                          inputs=[p for p in inputs if p])
+        check_output_file(args.html, option="--html", is_ours=lambda head: PAGE_MARK.encode() in head[:4096],
+                          inputs=[p for p in inputs if p], force=args.force)
     spec_path = args.cluster or recorded_spec(plan)
     spec = _cluster_planned_on(plan, spec_path) if spec_path else None
     if spec is not None:

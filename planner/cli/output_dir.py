@@ -137,27 +137,6 @@ def _keep_runs(previous: Path, target: Path) -> None:
         os.replace(run, runs / str(number))
 
 
-def check_output_file(path: Path, *, option: str, ours: str, inputs: Iterable[str | Path] = (),
-                      force: bool = False) -> None:
-    """Refuse (OutputDirError, one line) to write file `path` (named by `option`) where that would destroy a
-    file of the user's: never one of `inputs` (the plan, its model file, ...); an existing file only when it
-    holds `ours` (text hetplan writes into each such file, within its first 4 KiB) or with `force`."""
-    target = path.resolve()
-    if any(target == Path(p).resolve() for p in inputs):
-        raise OutputDirError(f"{option} {path} is an input of this command; writing it would destroy it",
-                             fix=f"name a new file, e.g. {option} report.html")
-    if not target.is_file() or force:
-        return
-    try:
-        with open(target, "rb") as f:
-            head = f.read(4096)
-    except OSError as exc:
-        raise OutputDirError(f"cannot read {option} {path}: {exc.strerror or exc}", fix="name a new file") from exc
-    if ours.encode() not in head:
-        raise OutputDirError(f"{option} {path} is a file hetplan did not write; writing it would replace it",
-                             fix="name a new file, or pass --force to replace this one")
-
-
 def write_text_atomically(path: Path, text: str) -> None:
     """Write a file whole or not at all: into a temporary sibling, then renamed over `path` (a
     directory there is refused: one line)."""

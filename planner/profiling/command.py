@@ -13,11 +13,13 @@ was high. See `planner.profiling.calibrate` for the method and `costmodel.calibr
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 from planner.core.errors import HetplanError
+from planner.core.output_file import check_output_file
 
 # Other processes' average load (cores) above which the profile's figures are flagged as measured on a busy host.
 BUSY_HOST_CORES = 0.25
@@ -38,7 +40,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="catalog device type the figures calibrate (default: CPU, or the catalog GPU "
                         "whose name the driver reports)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before the workers are stopped")
+    p.add_argument("--force", action="store_true",
+                   help="replace --out even when it is not a calibration file plan profile wrote")
     return p
+
+
+def is_calibration(head: bytes) -> bool:
+    """Whether a file's bytes are a calibration file `plan profile` wrote (one it may replace)."""
+    try:
+        doc = json.loads(head)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and {"schema_version", "measured_at", "method"} <= doc.keys()
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
@@ -88,6 +101,8 @@ def cmd_profile(argv: list[str]) -> int:
     for model in args.model:
         if not Path(model).is_file():
             raise HetplanError("model file not found", file=model, field="--model", fix="check the path")
+    check_output_file(Path(args.out), option="--out", is_ours=is_calibration, inputs=args.model, force=args.force,
+                      example="calibration.json")       # before minutes of measuring, not after
     device = args.device
     if device == "auto":
         import torch
