@@ -223,11 +223,16 @@ def test_with_no_interval_every_step_shows(two_rank_plan, tmp_path):
     _, p = two_rank_plan
     path = tmp_path / metrics.METRICS_FILE
     report, printed = _report(p, tmp_path, every_s=0.0, steps=3)
-    for step in range(3):
-        for rank in (0, 1):
-            _append(path, rank, step, 1.0, 0.1, MIB)
-        report.poll()
+    _log_steps(report, path, range(3))
     assert [ln.split(":")[0] for ln in printed] == ["step 0 (1/3)", "step 1 (2/3)", "step 2 (3/3)"]
+
+
+def _log_steps(report: StepReport, path: Path, steps: range, step_time_s: float = 0.1) -> None:
+    """Both ranks log each of `steps` in `step_time_s` (the report polled after each)."""
+    for step in steps:
+        for rank in (0, 1):
+            _append(path, rank, step, 1.0, step_time_s, MIB)
+        report.poll()
 
 
 # A torchrun failure report in which the peer (rank 0) found the connection closed within the same second
@@ -341,10 +346,7 @@ def test_a_gpu_plan_run_on_cpu_says_its_estimates_are_for_the_gpus(two_rank_plan
         dataclasses.replace(st, device_type="A100-40GB") for st in r.stages)) for r in p.replicas))
     path = tmp_path / metrics.METRICS_FILE
     report, printed = _report(on_a100, tmp_path, every_s=0.0, steps=4)
-    for step in range(4):
-        for rank in (0, 1):
-            _append(path, rank, step, 1.0, 0.1, MIB)
-        report.poll()
+    _log_steps(report, path, range(4))
     report.finish(tmp_path / "logs")
     memory = next(ln for ln in printed if ln.startswith("plan run: peak memory"))
     assert memory.endswith(" MiB (CPU processes stood in for the plan's A100-40GB: the estimates are for those "
