@@ -92,3 +92,16 @@ def test_plan_run_refuses_a_run_that_trains_nothing_before_reading_the_plan(capf
                                                                             steps: str) -> None:
     code, _, err = run_cli(capfd, ["run", tmp_path / "no-such-plan", "--steps", steps])
     assert_one_line(code, err, 2, "--steps", f"{steps} is not a number of steps to train", "1 or more", "--dry-run")
+
+
+def test_plan_run_data_needs_a_path_and_a_dataset_to_read_it(capfd, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, _, err = run_cli(capfd, [MLP, "--cluster", CPU4, "--global-batch", "8", "--no-runners-up", "-o", out])
+    assert code == 0, err
+    code, _, err = run_cli(capfd, ["run", out, "--data", tmp_path / "rows.bin"])
+    assert_one_line(code, err, 2, "--data", "rows.bin: no such file or folder")
+    (tmp_path / "rows.bin").write_bytes(b"\0" * 64)
+    # the MLP example makes its rows with batch(): it would train on them and never read the file
+    code, _, err = run_cli(capfd, ["run", out, "--data", tmp_path / "rows.bin"])
+    assert_one_line(code, err, 2, "--data", "defines no dataset()", "or drop --data")
+    assert not (out / "run").exists()                  # refused before any rank started

@@ -75,6 +75,23 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_data(plan: Plan, program: Path, data: str) -> None:
+    """`--data PATH` is there and the model file has a dataset() to read it, or one line before any rank
+    starts (a model file of batch() alone would train on its rows and never read PATH)."""
+    from planner import frontend
+
+    if not Path(data).exists():
+        raise OptionError(f"{data}: no such file or folder", field="--data",
+                          fix="pass the data file or folder the model file's dataset() reads")
+    functions = dict(plan.program.functions) if plan.program else {}
+    if frontend.load_model_file(program / "model.py", functions).dataset is None:
+        name = functions.get("dataset", "dataset")
+        raise OptionError(f"the model file defines no {name}() to read {data}: every step's rows would come "
+                          "from its batch()", field="--data",
+                          fix=f"define {name}() in the model file (it finds the path in $HETPLAN_DATA), or drop "
+                              "--data")
+
+
 def check_weights_file(plan: Plan, program: Path, path: Path) -> None:
     """Every tensor of the model is in the weights at its shape (headers only), or one line before any rank
     starts (WeightsError)."""
@@ -114,6 +131,8 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     run_dir = out / "run"
     faults = _check_recovery_options(args, plan, run_dir)
+    if args.data is not None:
+        check_data(plan, program, args.data)
     if args.weights is not None:
         check_weights_file(plan, program, Path(args.weights))
     if not args.resume:
