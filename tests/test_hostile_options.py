@@ -87,6 +87,13 @@ def test_the_trace_timeout_is_a_run_control_not_a_plan_option() -> None:
     assert RunControls().trace_timeout_s and RunControls(trace_timeout_s=None).trace_timeout_s is None
 
 
+@pytest.mark.parametrize("lr", ["-1", "0", "nan", "inf"])
+def test_plan_run_refuses_a_learning_rate_before_any_rank_starts(capfd, tmp_path: Path, lr: str) -> None:
+    # (the ranks' optimizers refused it, each after tracing its stage)
+    code, _, err = run_cli(capfd, ["run", tmp_path / "no-such-plan", "--lr", lr])
+    assert_one_line(code, err, 2, "--lr", "positive finite number")
+
+
 @pytest.mark.parametrize("steps", ["0", "-1"])
 def test_plan_run_refuses_a_run_that_trains_nothing_before_reading_the_plan(capfd, tmp_path: Path,
                                                                             steps: str) -> None:

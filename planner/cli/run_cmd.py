@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from planner.cli.args import OneLineParser
+from planner.cli.args import OneLineParser, positive_number
 from planner.cli.plan_files import load_checked_plan
 from planner.core.errors import OptionError, PlanFileError
 from planner.core.ir import Plan
@@ -30,7 +30,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="plan directory")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the plan's)")
+    p.add_argument("--lr", type=positive_number("--lr"), default=None,
+                   help="learning rate (default: the plan's)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default=None, help="default: the plan's")
     p.add_argument("--save-final", action="store_true", help="write each rank's parameters to OUT/run/final/")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
