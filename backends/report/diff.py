@@ -11,6 +11,7 @@ from collections import Counter
 
 from backends.report.idle import idle_causes
 from backends.report.text import GIB, format_time, layout, printable, signed_time, table
+from planner.core.cluster import parse_label
 from planner.core.ir import Plan
 
 
@@ -77,45 +78,35 @@ def _facts(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
 def _device_set(plan: Plan) -> str:
     """The devices the plan runs on, whatever its rank order, node by node (`group/node:local` labels):
     `a100/0:0-3`, and nodes alike in a row as one, `a100/0-63:0-7, h100/64-65:0-3` (a plan re-planned on
-    other devices differs here alone)."""
-    nodes: dict[tuple[str, str], list[str]] = {}
+    other devices differs here alone); a label that is not one (a hand-edited plan) as it is, last."""
+    nodes: dict[tuple[str, int], list[int]] = {}
+    odd: list[str] = []
     for label in plan.devices:
-        where, _, local = label.rpartition(":")
-        group, _, node = where.rpartition("/")
+        try:
+            group, node, local = parse_label(label)
+        except ValueError:
+            odd.append(label)
+            continue
         nodes.setdefault((group, node), []).append(local)
-    runs: list[tuple[str, list[str], str]] = []          # (group, nodes in a row, their locals)
-    for (group, node), locals_ in sorted(nodes.items(), key=lambda kv: (kv[0][0], _number_first(kv[0][1]))):
+    runs: list[tuple[str, list[int], str]] = []          # (group, nodes in a row, their locals)
+    for (group, node), locals_ in sorted(nodes.items()):
         mine = _ranges(locals_)
-        if runs and runs[-1][0] == group and runs[-1][2] == mine and _follows(runs[-1][1][-1], node):
+        if runs and runs[-1][0] == group and runs[-1][2] == mine and runs[-1][1][-1] + 1 == node:
             runs[-1][1].append(node)
         else:
             runs.append((group, [node], mine))
-    return printable(", ".join(f"{group}/{_ranges(names)}:{mine}" for group, names, mine in runs))
+    return printable(", ".join([*(f"{group}/{_ranges(row)}:{mine}" for group, row, mine in runs), *odd]))
 
 
-def _number_first(name: str) -> tuple[int, str]:
-    return (int(name), "") if name.isdigit() else (-1, name)
-
-
-def _follows(before: str, after: str) -> bool:
-    return before.isdigit() and after.isdigit() and int(after) == int(before) + 1
-
-
-def _ranges(names: list[str]) -> str:
-    """`0-3` for 0 1 2 3, `0,2` for 0 2; names that are not numbers as they are."""
-    if not all(n.isdigit() for n in names):
-        return ",".join(names)
-    out: list[str] = []
-    numbers = sorted(int(n) for n in names)
-    start = prev = numbers[0]
-    for n in [*numbers[1:], None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        out.append(f"{start}-{prev}" if prev > start else str(start))
-        if n is not None:
-            start = prev = n
-    return ",".join(out)
+def _ranges(numbers: list[int]) -> str:
+    """`0-3` for 0 1 2 3, `0,2` for 0 2."""
+    out: list[tuple[int, int]] = []                   # (first, last) of each run
+    for n in sorted(numbers):
+        if out and out[-1][1] + 1 == n:
+            out[-1] = (out[-1][0], n)
+        else:
+            out.append((n, n))
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in out)
 
 
 def _stage_blocks(plan: Plan) -> str:

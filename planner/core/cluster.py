@@ -169,6 +169,13 @@ class ClusterSpec:
         return replace(self, nodes=groups, lost=tuple(sorted(set(self.lost) | gone, key=_label_order)))
 
 
+def parse_label(label: str) -> tuple[str, int, int]:
+    """(group, node, local) of a device label `group/node:local` (Device.label; ValueError where it is not one)."""
+    group, _, place = label.rpartition("/")
+    node, _, local = place.partition(":")
+    return group, int(node), int(local)
+
+
 def _label_order(label: str) -> tuple[int, int, str]:
     """Labels `group/node:local` by node, then local index."""
     group, _, place = label.rpartition("/")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from planner.core.cluster import parse_label
 from planner.core.errors import HetplanError, printable
 from planner.core.ir import Plan, StagePlan
 
@@ -60,13 +61,6 @@ class Placement:
     local_rank: int
     node: PlannedNode | None        # None: one machine emulating every node
     device_index: int               # CUDA device index on this machine (on CUDA ranks)
-
-
-def parse_label(label: str) -> tuple[str, int, int]:
-    """(group, node, local) of a device label `group/node:local`."""
-    group, _, place = label.rpartition("/")
-    node, _, local = place.partition(":")
-    return group, int(node), int(local)
 
 
 def rank_labels(plan: Plan) -> list[str]:
@@ -152,16 +146,21 @@ def describe(node: PlannedNode) -> str:
     return f"node {node.node} of group {printable(node.group)} ({printable(node.device_type)})"
 
 
+def planned_on_cpu(stage: StagePlan) -> bool:
+    """Whether the plan put `stage` on a CPU (a device type named CPU...)."""
+    return stage.device_type.upper().startswith("CPU")
+
+
 def uses_cuda(stage: StagePlan) -> bool:
     """Whether the rank of `stage` runs on CUDA: a GPU is present and the plan's device is not a CPU."""
-    return torch.cuda.is_available() and not stage.device_type.upper().startswith("CPU")
+    return torch.cuda.is_available() and not planned_on_cpu(stage)
 
 
 def emulated_device_types(plan: Plan) -> list[str]:
     """The plan's device types that ranks on this machine run as CPU processes (no GPU here, `uses_cuda`):
     their timings are not the plan's devices'."""
     return list(dict.fromkeys(st.device_type for r in plan.replicas for st in r.stages
-                              if not st.device_type.upper().startswith("CPU") and not uses_cuda(st)))
+                              if not planned_on_cpu(st) and not uses_cuda(st)))
 
 
 def gpu_mismatch(device_type: str, needed_bytes: float, found_name: str, found_bytes: int) -> str | None:
