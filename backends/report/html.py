@@ -52,14 +52,15 @@ function zoomTimeline(factor) {
 """
 
 
-PAGE_MARK = "<title>hetplan: "     # how `plan inspect --html` knows a page it wrote (the head's first lines)
+TITLE_PREFIX = "hetplan: "
+PAGE_MARK = f"<title>{TITLE_PREFIX}"     # how `plan inspect --html` knows a page it wrote (the head's first lines)
 
 
 def render_html(plan: Plan, spec: ClusterSpec | None, sim: SimResult | None) -> str:
     """The whole report; without `spec` (the cluster spec is gone) there is no cluster picture,
     without `sim` no timeline, and the page says so."""
     e, s = plan.estimates, plan.solver
-    title = f"hetplan: {plan.inputs.cluster_name}, global batch {plan.global_batch}"    # PAGE_MARK
+    title = f"{TITLE_PREFIX}{plan.inputs.cluster_name}, global batch {plan.global_batch}"
     sections = [
         f"<h1>{esc(title)}</h1>",
         f"<p>{len(plan.replicas)} replica(s) on {plan.world_size} device(s): {esc(layout(plan))}. "

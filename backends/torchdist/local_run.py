@@ -229,8 +229,7 @@ class StepReport:
         self._print_newest()
         emulated = emulated_device_types(self.plan)
         if self._peak_bytes:
-            stood_in = (f" (CPU processes stood in for the plan's {', '.join(printable(t) for t in emulated)}: the "
-                        "estimates are for those devices)") if emulated else ""
+            stood_in = f" ({stood_in_for(emulated)}: the estimates are for those devices)" if emulated else ""
             self._write(f"plan run: peak memory (measured / the plan's estimate): {self.memory_summary()}{stood_in}")
         step_time = step_time_line(self.plan, self._step_times_s, sorted(self._rebalanced_after), emulated)
         if step_time is not None:
@@ -279,6 +278,11 @@ class StepReport:
             pass
 
 
+def stood_in_for(emulated: Sequence[str]) -> str:
+    """`CPU processes stood in for the plan's A100-40GB`: the device types a run here only emulated."""
+    return f"CPU processes stood in for the plan's {', '.join(printable(t) for t in emulated)}"
+
+
 def step_time_line(plan: Plan, step_times_s: dict[int, float], rebalanced_after: Sequence[int] = (),
                    emulated: Sequence[str] = ()) -> str | None:
     """`plan run: step time (measured / the plan's estimate): ...`: the median of the slowest rank's step
@@ -296,8 +300,7 @@ def step_time_line(plan: Plan, step_times_s: dict[int, float], rebalanced_after:
     line = (f"plan run: step time (measured / the plan's estimate): {measured_s:.3f}/{estimate_s:.3f} s "
             f"(the slowest rank's, median of {span})")
     if emulated:
-        return (f"{line}; CPU processes stood in for the plan's {', '.join(printable(t) for t in emulated)} (no "
-                "GPU here): the estimate is for those devices")
+        return f"{line}; {stood_in_for(emulated)} (no GPU here): the estimate is for those devices"
     if measured_s > 0:
         off = estimate_s / measured_s - 1.0
         line += f", the estimate {abs(off):.0%} {'over' if off >= 0 else 'under'}"

@@ -14,11 +14,15 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.cli.args import OneLineParser, positive_number
 from planner.cli.plan_files import load_checked_plan
 from planner.core.errors import OptionError, PlanFileError
 from planner.core.ir import Plan
+
+if TYPE_CHECKING:
+    from planner.frontend.model_file import ModelFile
 
 DEFAULT_TIMEOUT_S = 60.0
 # options that count devices: a plan on fewer devices may have to drop them (--elastic says so)
@@ -76,17 +80,22 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+def program_model_file(plan: Plan, program: Path) -> ModelFile:
+    """The program's copy of the model file, loaded under the contract names the plan was made with."""
+    from planner import frontend
+
+    return frontend.load_model_file(program / "model.py", dict(plan.program.functions) if plan.program else {})
+
+
 def check_data(plan: Plan, program: Path, data: str) -> None:
     """`--data PATH` is there and the model file has a dataset() to read it, or one line before any rank
     starts (a model file of batch() alone would train on its rows and never read PATH)."""
-    from planner import frontend
-
     if not Path(data).exists():
         raise OptionError(f"{data}: no such file or folder", field="--data",
                           fix="pass the data file or folder the model file's dataset() reads")
-    functions = dict(plan.program.functions) if plan.program else {}
-    if frontend.load_model_file(program / "model.py", functions).dataset is None:
-        name = functions.get("dataset", "dataset")
+    model_file = program_model_file(plan, program)
+    if model_file.dataset is None:
+        name = dict(plan.program.functions).get("dataset", "dataset") if plan.program else "dataset"
         raise OptionError(f"the model file defines no {name}() to read {data}: every step's rows would come "
                           "from its batch()", field="--data",
                           fix=f"define {name}() in the model file (it finds the path in $HETPLAN_DATA), or drop "
@@ -97,10 +106,8 @@ def check_weights_file(plan: Plan, program: Path, path: Path) -> None:
     """Every tensor of the model is in the weights at its shape (headers only), or one line before any rank
     starts (WeightsError)."""
     from backends.torchdist.program import materialise, weights
-    from planner import frontend
 
-    functions = dict(plan.program.functions) if plan.program else {}
-    meta = materialise.build_meta(frontend.load_model_file(program / "model.py", functions), seed=0)
+    meta = materialise.build_meta(program_model_file(plan, program), seed=0)
     weights.check_weights(path, weights.model_tensors(meta.module), weights.tied_aliases(meta.module))
 
 
