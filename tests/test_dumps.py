@@ -112,3 +112,45 @@ def test_a_dump_folder_inside_the_output_is_refused(tmp_path, capsys):
     assert code == 2 and not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--dump-ir" in err[0] and "inside the output directory" in err[0]
+
+
+def test_a_folder_of_the_users_is_refused_before_planning_and_left_as_it_was(tmp_path, capsys):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / CANDIDATES_FILE).write_text("mine\n")
+    out = tmp_path / "out"
+    code = main([str(GPT), "--cluster", str(CLUSTER), "-o", str(out), "--dump-ir", str(notes)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--dump-ir" in err[0] and "--force" in err[0]
+    assert [p.name for p in notes.iterdir()] == [CANDIDATES_FILE] and (notes / CANDIDATES_FILE).read_text() == "mine\n"
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+
+
+def test_a_dump_folder_holding_the_output_is_refused(tmp_path, capsys):
+    code = main([str(GPT), "--cluster", str(CLUSTER), "-o", str(tmp_path / "d" / "out"),
+                 "--dump-cp-model", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--dump-cp-model" in err[0] and "holds the output directory" in err[0]
+    assert not (tmp_path / "d").exists()
+
+
+def test_an_earlier_dump_is_replaced_whole_and_a_failed_search_leaves_its_own(tmp_path, capsys):
+    ir = tmp_path / "ir"
+    args = [str(GPT), "--cluster", str(CLUSTER), "--global-batch", "8", "--no-runners-up", "--dump-ir", str(ir)]
+    assert main([*args, "-o", str(tmp_path / "out")]) == 0
+    (ir / "099_stale.txt").write_text("a file of an earlier dump")
+    planned = (ir / CANDIDATES_FILE).read_text()
+    # the same folder again, for a search that finds no plan: its dumps replace the earlier ones whole
+    assert main([*args, "-o", str(tmp_path / "out2"), "--stages", "64"]) == 3      # no plan
+    capsys.readouterr()
+    assert not (tmp_path / "out2").exists() and not (ir / "099_stale.txt").exists()
+    assert (ir / "004_blocks.txt").is_file() and (ir / COSTED_PROBLEM_FILE).is_file()
+    assert (ir / CANDIDATES_FILE).read_text().startswith("0 candidate configurations") != planned.startswith("0 ")
+    # --dump-ir and --dump-cp-model naming one folder share it; with --force a folder of other files is replaced
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "old.txt").write_text("x")
+    assert main([*args[:-1], str(both), "--dump-cp-model", str(both), "-o", str(tmp_path / "out3"), "--force"]) == 0
+    names = {p.name for p in both.iterdir()}
+    assert "old.txt" not in names and {"004_blocks.txt", COSTED_PROBLEM_FILE, "spread.pbtxt"} <= names
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["both", "ir", "out", "out3"]   # no temporary sibling left

@@ -57,6 +57,19 @@ def test_refused_and_nothing_is_touched(capfd, workdir: Path, out: str, words: l
     assert not [p for p in workdir.rglob(".*") if p.name.startswith((".notes", ".data", ".models", ".project"))]
 
 
+@pytest.mark.parametrize(("flag", "folder", "words"), [
+    ("--dump-ir", ".", ["the current directory"]),
+    ("--dump-ir", "models", ["holds the input models/model.py"]),
+    ("--dump-cp-model", "data", ["did not write", "--force"]),
+    ("--dump-cp-model", "notes.txt", ["is a file"]),
+])
+def test_a_dump_folder_follows_the_same_rules(capfd, workdir: Path, flag: str, folder: str, words: list[str]) -> None:
+    before = files_under(workdir.parent)
+    code, err = plan_to(capfd, workdir.parent / "out", flag, folder)      # -o in none of them
+    assert_one_line(code, err, 2, f"{flag} {folder}", *words)
+    assert files_under(workdir.parent) == before
+
+
 @pytest.mark.parametrize("out", [".", "..", "notes.txt", "models"])
 def test_force_does_not_override_the_first_rules(capfd, workdir: Path, out: str) -> None:
     before = files_under(workdir.parent)
@@ -182,3 +195,19 @@ def test_a_profile_never_replaces_a_file_of_the_users(capfd, workdir: Path) -> N
     # what it may replace: a calibration file plan profile wrote (the repository's own)
     assert is_calibration((REPO / "benchmarks" / "results" / "calibration.json").read_bytes())
     assert not is_calibration(b'{"comm": {}}') and not is_calibration((workdir / "notes.txt").read_bytes())
+
+
+def test_an_interrupted_dump_leaves_the_earlier_one(tmp_path: Path) -> None:
+    from planner.cli.output_dir import written_as_it_goes
+    dump = tmp_path / "ir"
+    with written_as_it_goes(dump, option="--dump-ir") as tmp:
+        (tmp / "001_meta_shapes.txt").write_text("first")
+    with pytest.raises(KeyboardInterrupt), written_as_it_goes(dump, option="--dump-ir") as tmp:
+        (tmp / "001_meta_shapes.txt").write_text("half")
+        raise KeyboardInterrupt
+    assert (dump / "001_meta_shapes.txt").read_text() == "first"
+    with pytest.raises(ValueError), written_as_it_goes(dump, option="--dump-ir") as tmp:
+        (tmp / "002_annotate.txt").write_text("up to the failure")
+        raise ValueError("a failed search")
+    assert sorted(p.name for p in dump.iterdir()) == [MARKER, "002_annotate.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ir"]

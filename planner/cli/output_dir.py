@@ -5,7 +5,8 @@ leaves no partial output and an earlier directory untouched.
 replaced whole only when it holds a previous hetplan output (the MARKER file hetplan writes into each)
 or with `--force`. Never, `--force` or not: the current directory (or one above it), a directory
 holding the model file or the spec (or another input), or a file. The runs of a replaced plan
-(`run/`, `runs/`: their metrics and logs) are kept, under the new directory's `runs/`.
+(`run/`, `runs/`: their metrics and logs) are kept, under the new directory's `runs/`. A directory filled
+as a command goes (`plan --dump-ir DIR`) follows the same rule (`written_as_it_goes`).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from planner.core.errors import OutputDirError, printable
 from planner.core.file_modes import plain_dir_mode, plain_file_mode
 
 MARKER = ".hetplan-output"
-MARKER_TEXT = "hetplan output 1: written by `plan -o`, which may replace this directory whole\n"
+MARKER_TEXT = "hetplan output 1: written by `plan -o` (or a dump flag), which may replace this directory whole\n"
 
 
 def check_output_dir(out: Path, *, inputs: Iterable[str | Path] = (), force: bool = False,
@@ -64,18 +66,10 @@ def write_atomically(out: Path, fill: Callable[[Path], None], *, inputs: Iterabl
     in for `out` (checked with check_output_dir first, and again just before the swap)."""
     inputs = tuple(inputs)
     target = check_output_dir(out, inputs=inputs, force=force, option=option)
+    tmp = _sibling(target, out, option)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    except OSError as exc:
-        raise OutputDirError(f"cannot create a directory beside {option} {out}: {exc.strerror or exc}",
-                             fix="name a directory in a writable place") from exc
-    try:
-        os.chmod(tmp, plain_dir_mode())          # mkdtemp's 0700, as a plain mkdir would have it
         fill(tmp)
-        (tmp / MARKER).write_text(MARKER_TEXT)
-        check_output_dir(out, inputs=inputs, force=force, option=option)   # what is there now, not at the start
-        _swap(tmp, target)
+        _mark_and_swap(tmp, out, target, inputs=inputs, force=force, option=option)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputDirError(f"cannot write {option} {out}: {exc.strerror or exc}",
@@ -83,6 +77,58 @@ def write_atomically(out: Path, fill: Callable[[Path], None], *, inputs: Iterabl
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def written_as_it_goes(out: Path, *, inputs: Iterable[str | Path] = (), force: bool = False,
+                       option: str) -> Iterator[Path]:
+    """A directory a command fills while it runs (`plan --dump-ir DIR`), under `-o`'s rule: the command
+    writes into the temporary sibling this yields, which takes `out`'s place when the command ends, also
+    when it ends in an error (a failed search's dumps are for its bug report); an interrupt (Ctrl-C) leaves
+    `out` as it was."""
+    inputs = tuple(inputs)
+    target = check_output_dir(out, inputs=inputs, force=force, option=option)
+    tmp = _sibling(target, out, option)
+    try:
+        yield tmp
+    except Exception:
+        _keep(tmp, out, target, inputs=inputs, force=force, option=option)
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _keep(tmp, out, target, inputs=inputs, force=force, option=option)
+
+
+def _keep(tmp: Path, out: Path, target: Path, *, inputs: tuple[str | Path, ...], force: bool, option: str) -> None:
+    try:
+        _mark_and_swap(tmp, out, target, inputs=inputs, force=force, option=option)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputDirError(f"cannot write {option} {out}: {exc.strerror or exc}",
+                             fix="free space or choose a writable directory") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _sibling(target: Path, out: Path, option: str) -> Path:
+    """A new empty directory beside `target`, with a plain directory's mode."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        os.chmod(tmp, plain_dir_mode())          # mkdtemp's 0700, as a plain mkdir would have it
+    except OSError as exc:
+        raise OutputDirError(f"cannot create a directory beside {option} {out}: {exc.strerror or exc}",
+                             fix="name a directory in a writable place") from exc
+    return tmp
+
+
+def _mark_and_swap(tmp: Path, out: Path, target: Path, *, inputs: tuple[str | Path, ...], force: bool,
+                   option: str) -> None:
+    (tmp / MARKER).write_text(MARKER_TEXT)
+    check_output_dir(out, inputs=inputs, force=force, option=option)   # what is there now, not at the start
+    _swap(tmp, target)
 
 
 # the README's names for each option's directory, the first one tried in a fix

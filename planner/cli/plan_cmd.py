@@ -7,11 +7,12 @@ import dataclasses
 import json
 import sys
 from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from planner.cli.args import OneLineParser, positive_number
-from planner.cli.output_dir import MARKER, check_output_dir, write_atomically, wrote_line
+from planner.cli.output_dir import MARKER, check_output_dir, write_atomically, written_as_it_goes, wrote_line
 from planner.core import interrupts, schedule
 from planner.core.errors import HetplanError, printable
 from planner.core.ir import Plan, ProgramDefaults
@@ -32,7 +33,7 @@ def plan_parser() -> argparse.ArgumentParser:
                    help=f"output directory: a new or empty one, or a previous plan's (it holds {MARKER}), "
                         "replaced atomically; never the current directory or one holding the inputs")
     p.add_argument("--force", action="store_true",
-                   help="replace OUT even if it is a non-empty directory hetplan did not write")
+                   help="replace OUT (and a dump DIR) even if it is a non-empty directory hetplan did not write")
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--strategy", default="ilp",
                    help="ilp (the planner), exact (enumerates the same space, small clusters), or a baseline: "
@@ -74,10 +75,11 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-ir", default=None, metavar="DIR",
                    help="write the graph after each pass (001_meta_shapes.txt, ...), the costed problem the "
                         "search reads (costed_problem.json) and its candidate configurations to DIR "
-                        "(outside OUT, which is replaced whole); written as planning goes, so a failed run "
-                        "leaves them too")
+                        "(outside OUT, which is replaced whole); DIR is new, empty or an earlier dump (or "
+                        "--force), replaced whole when planning ends, also when it fails, for a bug report")
     p.add_argument("--dump-cp-model", default=None, metavar="DIR",
-                   help="write every CP-SAT model the search solves to DIR as <name>.pbtxt, for a bug report")
+                   help="write every CP-SAT model the search solves to DIR as <name>.pbtxt, for a bug report "
+                        "(DIR as --dump-ir's)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="calibration file from `plan profile`: measured figures replace the datasheet's")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
@@ -95,6 +97,8 @@ def cmd_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     inputs = [path for path in (args.model, args.cluster, args.calibration) if path]
     check_output_dir(Path(args.out), inputs=inputs, force=args.force)   # before planning, not after it
+    for folder, flag in _dump_folders(args):
+        check_output_dir(folder, inputs=inputs, force=args.force, option=flag)
     from backends.report.progress import Progress  # no torch: the status shows while torch is imported
 
     with Progress("plan") as progress:     # on a terminal only: the phase running now, on stderr
@@ -117,11 +121,17 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
                           calibration=args.calibration, runners_up=not args.no_runners_up,
                           objective=args.objective, optimizer=args.optimizer,
                           names={k: v for k, v in names.items() if v != k})
-    controls = RunControls(dump_ir_dir=_dump_dir(args.dump_ir, args.out, "--dump-ir"),
-                           dump_cp_model_dir=_dump_dir(args.dump_cp_model, args.out, "--dump-cp-model"),
-                           progress=progress.phase if progress.enabled else None,
-                           **({"trace_timeout_s": args.trace_timeout} if args.trace_timeout else {}))
-    result = plan(args.model, args.cluster, options, controls)
+    with ExitStack() as dumping:       # each dump folder takes its place when planning ends, failed or not
+        written: dict[Path, Path] = {}
+        for folder, flag in _dump_folders(args):
+            if folder.resolve() not in written:
+                written[folder.resolve()] = dumping.enter_context(
+                    written_as_it_goes(folder, inputs=inputs, force=args.force, option=flag))
+        dumps = {flag: written[folder.resolve()] for folder, flag in _dump_folders(args)}
+        controls = RunControls(dump_ir_dir=dumps.get("--dump-ir"), dump_cp_model_dir=dumps.get("--dump-cp-model"),
+                               progress=progress.phase if progress.enabled else None,
+                               **({"trace_timeout_s": args.trace_timeout} if args.trace_timeout else {}))
+        result = plan(args.model, args.cluster, options, controls)
     cost_only = is_onnx_file(args.model)   # an ONNX graph has no torch code to emit a program from
     planned = result.plan if cost_only else dataclasses.replace(result.plan, program=ProgramDefaults(
         learning_rate=args.lr, optimizer=args.optimizer, functions=tuple(sorted(options.names.items()))))
@@ -166,15 +176,23 @@ COST_ONLY_NOTE = ("cost-only plan from an ONNX graph: no program emitted; run `p
                   "for ONNX stages")
 
 
-def _dump_dir(value: str | None, out: str, flag: str) -> Path | None:
-    """The folder a dump flag names; refused inside OUT, which the run replaces whole."""
-    if value is None:
-        return None
-    folder, out_dir = Path(value).resolve(), Path(out).resolve()
-    if folder == out_dir or out_dir in folder.parents:
-        raise HetplanError(f"{value} is inside the output directory {out}, which every run replaces whole",
-                           field=flag, fix=f"dump to a folder beside it, e.g. {flag} {out.rstrip('/')}-dump")
-    return folder
+def _dump_folders(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """The folders the dump flags name, each with its flag; refused inside OUT, which the run replaces whole.
+    A dump folder is written under `-o`'s rule (planner.cli.output_dir.written_as_it_goes)."""
+    folders = []
+    out_dir = Path(args.out).resolve()
+    for value, flag in ((args.dump_ir, "--dump-ir"), (args.dump_cp_model, "--dump-cp-model")):
+        if value is None:
+            continue
+        folder = Path(value).resolve()
+        if folder == out_dir or out_dir in folder.parents:
+            raise HetplanError(f"{value} is inside the output directory {args.out}, which every run replaces whole",
+                               field=flag, fix=f"dump to a folder beside it, e.g. {flag} {args.out.rstrip('/')}-dump")
+        if folder in out_dir.parents:
+            raise HetplanError(f"{value} holds the output directory {args.out}; a dump replaces its folder whole",
+                               field=flag, fix=f"dump to a folder beside it, e.g. {flag} {args.out.rstrip('/')}-dump")
+        folders.append((Path(value), flag))
+    return folders
 
 
 def _timings_json(phases_s: dict[str, float], passes_s: dict[str, float]) -> str:
