@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +115,23 @@ def test_plan_run_data_needs_a_path_and_a_dataset_to_read_it(capfd, tmp_path: Pa
     code, _, err = run_cli(capfd, ["run", out, "--data", tmp_path / "rows.bin"])
     assert_one_line(code, err, 2, "--data", "defines no dataset()", "or drop --data")
     assert not (out / "run").exists()                  # refused before any rank started
+
+
+def test_the_programs_own_arguments_are_one_line_each_before_any_rank_starts(capfd, tmp_path: Path) -> None:
+    # `torchrun ... train.py --lr -1` (launch.sh passes its arguments on): every rank's optimizer refused it
+    # after tracing, and --steps 0 or --keep-checkpoints 0 started training; checked as `plan run` checks them
+    out = tmp_path / "out"
+    code, _, err = run_cli(capfd, [MLP, "--cluster", CPU4, "--global-batch", "8", "--no-runners-up", "-o", out])
+    assert code == 0, err
+    for flags, words in [(["--lr", "nan"], "positive finite number"), (["--steps", "0"], "at least 1"),
+                         (["--keep-checkpoints", "0"], "at least 1"), (["--checkpoint-every", "two"], "whole number")]:
+        proc = subprocess.run([sys.executable, str(out / "program" / "train.py"), *flags], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "LOCAL_RANK": "0"})
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"train.py: argument {flags[0]}: ") and words in lines[0], lines[0]
+    # the other processes of an agent see the same arguments: only its first one says so
+    proc = subprocess.run([sys.executable, str(out / "program" / "train.py"), "--lr", "-1"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "LOCAL_RANK": "1"})
+    assert proc.returncode == 2 and proc.stderr == ""
+    assert not (out / "run").exists()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from backends.report.diff import diff_text
-from planner.cli.args import OneLineParser
 from planner.cli.plan_files import load_checked_plan
+from planner.core.arguments import OneLineParser
 
 
 def cmd_diff(argv: list[str]) -> int:

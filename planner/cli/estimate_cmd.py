@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.cli.args import OneLineParser, positive_number, whole_number
 from planner.cli.output_dir import MARKER, check_output_dir, wrote_line
+from planner.core.arguments import OneLineParser, positive_number, whole_number
 from planner.core.errors import printable
 
 if TYPE_CHECKING:

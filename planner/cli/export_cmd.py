@@ -15,9 +15,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.cli.args import OneLineParser
 from planner.cli.output_dir import MARKER, write_atomically
 from planner.cli.plan_files import load_checked_plan, plan_file
+from planner.core.arguments import OneLineParser
 from planner.core.errors import OptionError, PassError, PlanFileError
 from planner.core.ir import Plan
 

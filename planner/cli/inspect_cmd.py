@@ -16,9 +16,9 @@ from backends.report.html import PAGE_MARK, render_html
 from backends.report.terminal import memory_table, runners_up_section, simulation_section, summary
 from backends.report.text import printable
 from backends.sim import simulate_plan
-from planner.cli.args import OneLineParser
 from planner.cli.output_dir import write_text_atomically
 from planner.cli.plan_files import load_checked_plan, plan_file, recorded_spec
+from planner.core.arguments import OneLineParser
 from planner.core.cluster import ClusterSpec
 from planner.core.errors import OptionError, SpecError
 from planner.core.ir import Plan

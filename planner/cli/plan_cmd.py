@@ -11,9 +11,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.cli.args import OneLineParser, positive_number
 from planner.cli.output_dir import MARKER, check_output_dir, write_atomically, written_as_it_goes, wrote_line
 from planner.core import interrupts, schedule
+from planner.core.arguments import OneLineParser, positive_number
 from planner.core.errors import HetplanError, printable
 from planner.core.ir import Plan, ProgramDefaults
 

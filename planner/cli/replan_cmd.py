@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from planner.cli.args import OneLineParser
 from planner.cli.output_dir import MARKER, check_output_dir, wrote_line
 from planner.cli.plan_files import load_checked_plan, plan_file
+from planner.core.arguments import OneLineParser
 from planner.core.errors import OptionError, PlanFileError, printable
 from planner.core.ir import Plan
 from planner.options import RunControls

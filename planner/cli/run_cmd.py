@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.cli.args import OneLineParser, positive_number
 from planner.cli.plan_files import load_checked_plan
+from planner.core.arguments import OneLineParser, positive_number
 from planner.core.errors import OptionError, PlanFileError
 from planner.core.ir import Plan
 

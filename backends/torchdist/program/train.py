@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from passes.tensor_parallel import ShardSpec
 from planner import frontend
+from planner.core.arguments import OneLineParser, count, positive_number
 from planner.core.errors import HetplanError, OptionError
 from planner.core.ir import Plan
 
@@ -93,21 +94,22 @@ DEFAULT_TIMEOUT_S = 60.0
 
 def parse_args(plan: Plan, here: Path, argv: list[str] | None) -> argparse.Namespace:
     defaults = plan.program
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--steps", type=int, default=20)
+    p = OneLineParser(prog="train.py", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--steps", type=count("--steps", 1), default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=defaults.learning_rate if defaults else 1e-3,
+    p.add_argument("--lr", type=positive_number("--lr"), default=defaults.learning_rate if defaults else 1e-3,
                    help="learning rate (torch defaults otherwise; default: the one planned for)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer if defaults else "adamw",
                    help="AdamW or SGD with momentum 0.9 (default: the one planned for)")
-    p.add_argument("--onebit-freeze-step", type=int, default=None,
+    p.add_argument("--onebit-freeze-step", type=count("--onebit-freeze-step", 0), default=None,
                    help="1-bit Adam (onebit groups under AdamW): exact AdamW steps before the variance "
                         "freezes (default: the plan's warm-up fraction of --steps)")
     p.add_argument("--out", type=Path, default=here.parent / "run", help="metrics and final weights")
     p.add_argument("--save-final", action="store_true", help="write each rank's final parameters")
     p.add_argument("--cpu-autocast", action="store_true",
                    help="apply the plan's bf16/fp16 precision on CPU ranks too (default: fp32 on CPU)")
-    p.add_argument("--timeout", type=float, default=float(os.environ.get("HETPLAN_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
+    p.add_argument("--timeout", type=positive_number("--timeout"),
+                   default=float(os.environ.get("HETPLAN_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
                    help="seconds a collective or receive may wait for a peer before the run fails")
     p.add_argument("--weights", type=Path, default=None,
                    help="start from pretrained weights: a .safetensors file, a Hugging Face model folder or a "
@@ -123,11 +125,11 @@ def parse_args(plan: Plan, here: Path, argv: list[str] | None) -> argparse.Names
                    help="measure each replica's speed every step and move rows away from a replica that slowed "
                         "down, without a restart (rebalance.py)")
     # checkpoints and resume (checkpoint.py, checkpoint_state.py)
-    p.add_argument("--checkpoint-every", type=int, default=0,
+    p.add_argument("--checkpoint-every", type=count("--checkpoint-every", 0), default=0,
                    help="save a checkpoint (torch.distributed.checkpoint) every N steps (default 0: none)")
     p.add_argument("--checkpoint-dir", type=Path, default=None,
                    help="where the checkpoints go, one step_<N> folder each (default: <--out>/ckpt)")
-    p.add_argument("--keep-checkpoints", type=int, default=checkpoint.DEFAULT_KEEP,
+    p.add_argument("--keep-checkpoints", type=count("--keep-checkpoints", 1), default=checkpoint.DEFAULT_KEEP,
                    help="complete checkpoints kept; older ones are deleted once a new one completes")
     p.add_argument("--sync-checkpoint", action="store_true",
                    help="write checkpoints within the step (default: stage a copy, write in the background)")
@@ -343,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         if failed is not None and plan is not None and place is not None:
             return _out_of_memory(plan, place, limit, failed)
         if isinstance(exc, HetplanError):
-            # a wrong launch is seen alike by every process of an agent: its first one says so, once
-            if not isinstance(exc, placement.LaunchError) or os.environ.get("LOCAL_RANK", "0") == "0":
+            # a wrong launch or argument is seen alike by every process of an agent: its first one says so, once
+            if not isinstance(exc, (placement.LaunchError, OptionError)) or os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"train.py: {exc.one_line()}", file=sys.stderr, flush=True)
             if exc.exit_code == process_group.FOR_PEER_EXIT_CODE:
                 time.sleep(process_group.FOR_PEER_EXIT_DELAY_S)   # the rank that failed is seen first

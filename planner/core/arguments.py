@@ -1,4 +1,5 @@
-"""Argument parsing for every command: a bad argument is one line and exit 2, like any other bad input."""
+"""Argument parsing for every command and for the emitted program's train.py: a bad argument is one line
+and exit 2, like any other bad input."""
 
 from __future__ import annotations
 
@@ -41,6 +42,22 @@ def whole_number(what: str, maximum: int) -> Callable[[str], int]:
         if not text.strip().isdigit() or not 1 <= int(text) <= maximum:
             raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {maximum}, got {text[:40]!r}")
         return int(text)
+
+    parse.__name__ = what
+    return parse
+
+
+def count(what: str, least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number, at least `least`, for `what`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text[:40]!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
 
     parse.__name__ = what
     return parse
