@@ -162,6 +162,9 @@ def test_an_export_folder_is_refused_under_its_own_option_with_a_fix_that_works(
     (workdir / "stages").mkdir()
     code, _, err = run_cli(capfd, ["export", "out", "--onnx", "out/program"])
     assert_one_line(code, err, 2, "e.g. --onnx stages2)")
+    # the folder is checked first, before the checkpoint (there is none yet) and before the model is built
+    code, _, err = run_cli(capfd, ["export", "out", "--safetensors", "data"])
+    assert_one_line(code, err, 2, "--safetensors data is a directory hetplan did not write", "--force")
 
 
 def test_an_html_page_never_replaces_a_file_of_the_users(capfd, workdir: Path) -> None:

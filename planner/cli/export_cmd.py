@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from planner.cli.output_dir import MARKER, write_atomically
+from planner.cli.output_dir import MARKER, check_output_dir, write_atomically
 from planner.cli.plan_files import load_checked_plan, plan_file
 from planner.core.arguments import OneLineParser
 from planner.core.errors import OptionError, PassError, PlanFileError
@@ -77,7 +77,8 @@ def cmd_export(argv: list[str]) -> int:
         return _export_weights(args, plan)
     model_path = _model_path(plan, Path(args.out))
     inputs = [plan_file(args.out), model_path]
-    # torch and the exporter are imported once the plan is known good
+    check_output_dir(Path(args.onnx), inputs=inputs, force=args.force, option="--onnx")   # before any work
+    # torch and the exporter are imported once the plan and the folder are known good
     from backends.onnx import export_plan
     from planner import frontend
 
@@ -110,6 +111,8 @@ def _export_weights(args: argparse.Namespace, plan: Plan) -> int:
     folder = Path(args.out).parent if Path(args.out).name == "plan.json" else Path(args.out)
     checkpoint = Path(args.checkpoint) if args.checkpoint is not None else folder / RUN_CHECKPOINTS
     model_path = _model_path(plan, Path(args.out))
+    inputs = [plan_file(args.out), model_path, checkpoint]
+    check_output_dir(Path(args.safetensors), inputs=inputs, force=args.force, option="--safetensors")
     import torch
 
     from backends.torchdist.export_weights import DEFAULT_MAX_SHARD_BYTES, ExportedWeights, export_weights
@@ -132,8 +135,7 @@ def _export_weights(args: argparse.Namespace, plan: Plan) -> int:
         done.append(export_weights(checkpoint, meta.module, tmp, max_shard_bytes=max_bytes, dtype=dtype,
                                    strip_prefix=args.strip_prefix))
 
-    write_atomically(Path(args.safetensors), fill, inputs=[plan_file(args.out), model_path, checkpoint],
-                     force=args.force, option="--safetensors")
+    write_atomically(Path(args.safetensors), fill, inputs=inputs, force=args.force, option="--safetensors")
     result = done[0]
     print(f"wrote {result.tensors} tensors ({_size(result.total_bytes)}) in {len(result.files)} file(s) to "
           f"{args.safetensors}, from {result.checkpoint} (after {result.step} steps)")
