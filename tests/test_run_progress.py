@@ -107,6 +107,9 @@ def test_plan_run_prints_each_slow_step_while_it_trains_then_memory_metrics_and_
     assert proc.returncode == 0, err[-3000:]
     assert still_running_at_first_step is True
     assert "\r" not in "".join(lines) and "\x1b" not in "".join(lines)         # plain lines, fine in a pipe
+    # rank 0's plan table comes through torchrun, each line led by the plan rank (not "[default0]:")
+    assert any(ln.startswith("[rank 0] hetplan plan: 2 ranks") for ln in lines), lines
+    assert not any(ln.startswith("[default") for ln in lines), lines
 
     records = read_metrics(out / "run" / "metrics.jsonl")
     steps = [STEP_LINE.match(ln) for ln in lines if ln.startswith("step ")]

@@ -100,6 +100,9 @@ class LoopbackStore:
         self._store = None
 
 
+RANK_LINE_PREFIX = "[rank ${rank}] "
+
+
 def torchrun_command(program_dir: Path, world_size: int, store_port: int, run_id: str, log_dir: Path,
                      train_args: list[str], max_restarts: int = 0) -> list[str]:
     """torchrun on one machine over the loopback store, under a lifeline to this process; it restarts the
@@ -126,6 +129,9 @@ def run_environment(store_port: int, base: dict[str, str] | None = None, *,
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"   # no second store server of torchrun's own
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # the ranks' lines on the console start with the rank (one agent here: torchrun's rank is the plan's), not
+    # torchrun's "[default0]:" (its role name and local rank)
+    env.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", RANK_LINE_PREFIX)
     path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HETPLAN_ROOT), path) if p)
     return env
