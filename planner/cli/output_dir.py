@@ -67,16 +67,9 @@ def write_atomically(out: Path, fill: Callable[[Path], None], *, inputs: Iterabl
     inputs = tuple(inputs)
     target = check_output_dir(out, inputs=inputs, force=force, option=option)
     tmp = _sibling(target, out, option)
-    try:
+    with _removed_on_failure(tmp, out, option):
         fill(tmp)
         _mark_and_swap(tmp, out, target, inputs=inputs, force=force, option=option)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputDirError(f"cannot write {option} {out}: {exc.strerror or exc}",
-                             fix="free space or choose a writable directory") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 @contextmanager
@@ -92,17 +85,21 @@ def written_as_it_goes(out: Path, *, inputs: Iterable[str | Path] = (), force: b
     try:
         yield tmp
     except Exception:
-        _keep(tmp, out, target, inputs=inputs, force=force, option=option)
+        with _removed_on_failure(tmp, out, option):
+            _mark_and_swap(tmp, out, target, inputs=inputs, force=force, option=option)
         raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _keep(tmp, out, target, inputs=inputs, force=force, option=option)
-
-
-def _keep(tmp: Path, out: Path, target: Path, *, inputs: tuple[str | Path, ...], force: bool, option: str) -> None:
-    try:
+    with _removed_on_failure(tmp, out, option):
         _mark_and_swap(tmp, out, target, inputs=inputs, force=force, option=option)
+
+
+@contextmanager
+def _removed_on_failure(tmp: Path, out: Path, option: str) -> Iterator[None]:
+    """`tmp` deleted should the block fail; an OSError is one line about `option`'s directory."""
+    try:
+        yield
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise OutputDirError(f"cannot write {option} {out}: {exc.strerror or exc}",
