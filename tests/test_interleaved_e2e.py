@@ -52,3 +52,15 @@ def test_hf_llama_interleaved_with_tensor_parallelism_matches_single_process(tmp
                       "--micro-batch", "2", cluster="cpu-4.yaml")
     assert plan.tp_degree == 2 and len(plan.replicas) == 1
     _check_shards(out, plan, "hf_llama", optimizer="sgd")      # each shard's parameters put back together
+
+
+def test_rebalance_on_an_interleaved_plan_is_one_line_before_any_rank_starts(tmp_path):
+    # (every rank started, traced its stages, then refused it alike)
+    out, _ = _plan(tmp_path, "gpt", "--global-batch", "16", "--stages", "4", "--micro-batch", "2",
+                   "--no-runners-up")
+    proc = run_plan_cli("run", str(out), "--rebalance", "--steps", "2")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("plan: error: --rebalance: ") and "interleaved 1F1B" in lines[0]
+    assert "--schedule 1f1b" in lines[0] and proc.stdout == ""
+    assert not (out / "run").exists()

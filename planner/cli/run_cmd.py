@@ -139,6 +139,9 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     run_dir = out / "run"
     faults = _check_recovery_options(args, plan, run_dir)
+    from backends.torchdist.program.rebalance import check_schedule
+
+    check_schedule(plan, args.rebalance)
     if args.data is not None:
         check_data(plan, program, args.data)
     if args.weights is not None:

@@ -55,7 +55,7 @@ from passes import comm
 from passes.comm.inputs import model_params, split_inputs
 from passes.split import attr_name
 from planner import frontend
-from planner.core.errors import HetplanError
+from planner.core.errors import HetplanError, OptionError
 from planner.core.ir import Plan, StagePlan
 from planner.search.configs import micro_batch_options
 from planner.search.rebalance import ReplicaSpeed, Shares, micro_batch_sizes, slowest_s, solve_shares
@@ -346,3 +346,12 @@ def resume_with(executor: StageExecutor, saved: tuple[tuple[int, ...], ...], *, 
         print(f"train.py: resumed with the shares {shares} the checkpoint was taken with" if why is None else
               f"train.py: warning: the checkpoint's shares {shares} were refused ({why}): the plan's shares",
               flush=True)
+
+
+def check_schedule(plan: Plan, rebalance: bool) -> None:
+    """`--rebalance` on a plan with interleaved 1F1B, which it does not run yet: one line (OptionError)."""
+    interleaved = [r.index for r in plan.replicas if r.chunks > 1]
+    if interleaved and rebalance:
+        raise OptionError(f"--rebalance is not supported yet for a plan with interleaved 1F1B (replicas "
+                          f"{interleaved}): new micro-batch counts must fill whole rounds of the schedule",
+                          field="--rebalance", fix="run without --rebalance, or re-plan with --schedule 1f1b")

@@ -182,17 +182,8 @@ def train(plan: Plan, place: placement.Placement, here: Path, args: argparse.Nam
         raise
 
 
-def _check_interleaved(plan: Plan, args: argparse.Namespace) -> None:
-    """What a plan with interleaved 1F1B does not run yet, refused on every rank alike (one line)."""
-    interleaved = [r.index for r in plan.replicas if r.chunks > 1]
-    if interleaved and args.rebalance:
-        raise OptionError(f"--rebalance is not supported yet for a plan with interleaved 1F1B (replicas "
-                          f"{interleaved}): new micro-batch counts must fill whole rounds of the schedule",
-                          field="--rebalance", fix="run without --rebalance, or re-plan with --schedule 1f1b")
-
-
 def _train(plan: Plan, ctx: process_group.Context, here: Path, args: argparse.Namespace) -> None:
-    _check_interleaved(plan, args)
+    rebalance.check_schedule(plan, args.rebalance)     # refused on every rank alike (plan run: before starting)
     if ctx.rank == 0:
         print(layout.table(plan), flush=True)
     functions = dict(plan.program.functions) if plan.program else {}
