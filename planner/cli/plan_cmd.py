@@ -97,16 +97,18 @@ def cmd_plan(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     inputs = [path for path in (args.model, args.cluster, args.calibration) if path]
     check_output_dir(Path(args.out), inputs=inputs, force=args.force)   # before planning, not after it
-    for folder, flag in _dump_folders(args):
+    dump_folders = _dump_folders(args)
+    for folder, flag in dump_folders:
         check_output_dir(folder, inputs=inputs, force=args.force, option=flag)
     from backends.report.progress import Progress  # no torch: the status shows while torch is imported
 
     with Progress("plan") as progress:     # on a terminal only: the phase running now, on stderr
         progress.phase("start-up")
-        return _plan(args, inputs, progress)
+        return _plan(args, inputs, dump_folders, progress)
 
 
-def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> int:
+def _plan(args: argparse.Namespace, inputs: list[str], dump_folders: list[tuple[Path, str]],
+          progress: Progress) -> int:
     # the planner is imported once the arguments are known good: `plan --help` needs no torch
     from planner.api import PlanOptions, RunControls, plan
     from planner.frontend.onnx_model import is_onnx_file
@@ -122,12 +124,13 @@ def _plan(args: argparse.Namespace, inputs: list[str], progress: Progress) -> in
                           objective=args.objective, optimizer=args.optimizer,
                           names={k: v for k, v in names.items() if v != k})
     with ExitStack() as dumping:       # each dump folder takes its place when planning ends, failed or not
-        written: dict[Path, Path] = {}
-        for folder, flag in _dump_folders(args):
+        written: dict[Path, Path] = {}      # each folder once, where both flags name it
+        dumps: dict[str, Path] = {}
+        for folder, flag in dump_folders:
             if folder.resolve() not in written:
                 written[folder.resolve()] = dumping.enter_context(
                     written_as_it_goes(folder, inputs=inputs, force=args.force, option=flag))
-        dumps = {flag: written[folder.resolve()] for folder, flag in _dump_folders(args)}
+            dumps[flag] = written[folder.resolve()]
         controls = RunControls(dump_ir_dir=dumps.get("--dump-ir"), dump_cp_model_dir=dumps.get("--dump-cp-model"),
                                progress=progress.phase if progress.enabled else None,
                                **({"trace_timeout_s": args.trace_timeout} if args.trace_timeout else {}))
