@@ -62,9 +62,12 @@ def kept_activation_bytes(kept_bytes: float, stage_input_bytes: float, transient
 
 
 def in_flight_micro_batches(schedule: str, stage: int, num_stages: int, num_micro: int) -> int:
-    """Micro-batches whose activations a stage holds at peak: 1F1B keeps S - s, GPipe all M."""
+    """Micro-batches whose activations a stage holds at peak: 1F1B keeps S - s, GPipe all M, ZB-H1 up
+    to S on every stage (its weight gradients run late: planner.core.schedule.zero_bubble_h1)."""
     if schedule == "gpipe":
         return num_micro
+    if schedule == "zbh1":
+        return min(num_stages, num_micro)
     return min(num_stages - stage, num_micro)
 
 

@@ -112,6 +112,9 @@ class CostTables:
     # costmodel.tensor_parallel prices it at a degree
     shardings: tuple[BlockSharding, ...] = ()
     param_tensors: tuple[int, ...] = ()     # per block: its parameter tensors (() where not counted: one each)
+    # per block: the part of its backward that computes weight gradients (Block.wgrad_fraction), which a
+    # zero-bubble schedule runs apart; () where not counted (no zero-bubble configurations)
+    wgrad_fraction: tuple[float, ...] = ()
 
 
 def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, trace_batch: int,
@@ -167,6 +170,7 @@ def build_tables(blocks: list[Block], spec: ClusterSpec, *, global_batch: int, t
         inter_latency_s=inter.latency_s,
         block_signatures=tuple(b.signature for b in blocks), tied=tied_parameters(blocks),
         param_tensors=tuple(len(b.params) for b in blocks),
+        wgrad_fraction=tuple(b.wgrad_fraction for b in blocks),
         memory_margin=memory_margin)
 
 

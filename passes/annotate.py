@@ -2,10 +2,13 @@
 
 Writes typed records under named keys: `node.meta["val"]` (a meta tensor, as torch.export does) and
 `node.meta[COST_KEY]` (`costmodel.ops.OpCount`); get_attr nodes get `node.meta[PARAM_BYTES_KEY]`.
+A matmul or convolution that reads a trainable weight (directly or through views: `t(weight)`) records
+its weight gradient's FLOPs, its forward's again, as `wgrad_flops`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -32,6 +35,17 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _reads_weight(node: fx.Node) -> bool:
+    """`node` is a trainable parameter, or a view of one (a linear's transposed weight)."""
+    while True:
+        if node.op == "get_attr":
+            return bool(getattr(node.meta.get("val"), "requires_grad", False))
+        cost = node.meta.get(COST_KEY)
+        if not (isinstance(cost, OpCount) and cost.op_class == "view") or not node.all_input_nodes:
+            return False
+        node = node.all_input_nodes[0]
 
 
 class MetaShapes(Pass):
@@ -85,7 +99,10 @@ class Annotate(Pass):
                 target = node.target
                 if node.op == "call_module":
                     target = _fetch_attr(gm, node.target)
-                node.meta[COST_KEY] = self.counter.count(target, args, kwargs, node.meta["val"])
+                cost = self.counter.count(target, args, kwargs, node.meta["val"])
+                if cost.op_class in ("matmul", "conv") and any(_reads_weight(a) for a in node.all_input_nodes):
+                    cost = dataclasses.replace(cost, wgrad_flops=min(cost.fwd_flops, cost.bwd_flops))
+                node.meta[COST_KEY] = cost
         return PassResult(gm, True)
 
     def ensures(self, gm: fx.GraphModule) -> None:

@@ -101,7 +101,7 @@ def _span_colour(span: Span, replica: ReplicaPlan) -> str:
     if span.label == OPTIMIZER_LABEL:
         return OPTIMIZER_COLOUR
     stage = int(span.label[:-len(span.label.lstrip("0123456789"))] or 0)
-    return replica_colour(replica.index, stage, len(replica.stages), backward="B" in span.label)
+    return replica_colour(replica.index, stage, len(replica.stages), backward="B" in span.label or "W" in span.label)
 
 
 def _describe(span: Span) -> str:

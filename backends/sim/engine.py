@@ -2,7 +2,8 @@
 
 Per replica, each rank runs its schedule's actions (planner.core.schedule) in order. A forward of
 micro-batch j on stage s starts when the rank is free and stage s-1's activations of j have
-arrived; a backward when stage s+1's input gradient of j has arrived. Sends are asynchronous (the
+arrived; a backward when stage s+1's input gradient of j has arrived (under zbh1 the backward is its
+input-gradient part, and the weights' part W runs where the schedule puts it, after it). Sends are asynchronous (the
 runtime uses isend): a transfer starts when its producer finishes and the sending device's link in
 that direction is free, and occupies only that link (under interleaved 1F1B a device runs several
 stages, whose transfers to the next device share its link). After its last backward a rank joins its
@@ -54,7 +55,8 @@ def _run_replica(rep: ReplicaWork, spans: list[Span] | None, busy: list[float],
     """Simulate one replica's pipeline, adding compute time to `busy` (and its spans to `spans`, unless
     None); returns each rank's time of its last action. Replicas with the same work (common: many copies
     of one shape) are simulated once (`seen`) and the timeline is given to each one's ranks."""
-    key = (rep.schedule, rep.chunks, tuple((w.fwd_s, w.bwd_s, w.send_fwd_s, w.send_bwd_s) for w in rep.stages))
+    key = (rep.schedule, rep.chunks,
+           tuple((w.fwd_s, w.bwd_s, w.wgrad_s, w.send_fwd_s, w.send_bwd_s) for w in rep.stages))
     if key not in seen:
         seen[key] = _timeline(rep)
     local, device_busy, device_end = seen[key]
@@ -73,6 +75,7 @@ def _timeline(rep: ReplicaWork) -> _Timeline:
     spans: list[Span] = []
     busy = [0.0] * D
     actions = sched.make(rep.schedule, K, M, rep.chunks)
+    split = sched.weight_split(rep.schedule)
     free = [0.0] * D
     pos = [0] * D
     arrival: dict[tuple[int, str, int], float] = {}   # (stage, kind, micro) -> input ready
@@ -90,9 +93,12 @@ def _timeline(rep: ReplicaWork) -> _Timeline:
                 if a.kind == "F":
                     ready = s == 0 or (s, "F", j) in arrival
                     dur = work.fwd_s[j]
+                elif a.kind == "W":
+                    ready = (s, "B", j) in done
+                    dur = work.wgrad_s[j]
                 else:
                     ready = (s, "F", j) in done and (s == K - 1 or (s, "B", j) in arrival)
-                    dur = work.bwd_s[j]
+                    dur = work.bwd_s[j] - (work.wgrad_s[j] if split else 0.0)
                 if not ready:
                     break
                 start = max(free[d], arrival.get((s, a.kind, j), 0.0))

@@ -40,12 +40,14 @@ class StageWork:
     send_fwd_s: tuple[float, ...]   # activations to the next stage (empty on the last stage)
     send_bwd_s: tuple[float, ...]   # input gradients to the previous stage (empty on the first)
     optimizer_s: float
+    # the weight gradients' part of each backward (zbh1 runs it apart, as W); () where not split
+    wgrad_s: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
 class ReplicaWork:
     index: int
-    schedule: str                    # "1f1b" | "gpipe" | "interleaved"
+    schedule: str                    # "1f1b" | "gpipe" | "interleaved" | "zbh1"
     stages: tuple[StageWork, ...]
     chunks: int = 1                  # stages per device (interleaved): stage k on the device of stage k mod devices
 
@@ -149,7 +151,8 @@ def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica:
         if rank in zero:       # ZeRO-1: each rank steps its part, then the parts are gathered (costmodel.sharded_state)
             step_s += (allgather_s(param_bytes, zero[rank], spec.inter_node.bandwidth_bytes_s, 0.0)
                        + len(st.params) * spec.inter_node.latency_s)       # a broadcast per tensor
-        stages.append(StageWork(rank, fwd, bwd, send_fwd, send_bwd, step_s))
+        wgrad = tuple(st.wgrad_s_per_sample * r for r in rows) if st.wgrad_s_per_sample else (0.0,) * len(rows)
+        stages.append(StageWork(rank, fwd, bwd, send_fwd, send_bwd, step_s, wgrad))
     return ReplicaWork(replica.index, replica.schedule, tuple(stages), replica.chunks)
 
 

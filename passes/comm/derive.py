@@ -320,7 +320,8 @@ class _Message:
 
 def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int, codec: dict[tuple[int, int], str],
               index: dict[str, int]) -> dict[str, list[_Message]]:
-    """Stage k's messages in a forward ("F") and a backward ("B") of one micro-batch, in program order:
+    """Stage k's messages in a forward ("F") and a backward ("B") of one micro-batch, in program order (a
+    zbh1 schedule's weight gradients, "W", send none):
     values in value order both ways (pipeline.py), since a pair's messages match in issue order. With
     tensor parallelism each shard lane is a pipeline of its own: its peers are the same lane's ranks.
     `codec`: edge_codecs of the replica; `index`: each value's position among the split's, by name."""
@@ -341,7 +342,7 @@ def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int
         forward += [message(SEND, n, k + 1, False, (k, k + 1)) for n in out]
         backward = [message(RECV, n, k + 1, True, (k, k + 1)) for n in out if values[n].needs_grad]
         backward += [message(SEND, n, k - 1, True, (k - 1, k)) for n in into if values[n].needs_grad]
-        return {"F": forward, "B": backward}
+        return {"F": forward, "B": backward, "W": []}
     received = sorted((n for n in view.stage_inputs[k] if values[n].producer != -1), key=index.__getitem__)
     outputs = sorted(view.stage_outputs[k], key=index.__getitem__) if k != last else []
     forward = [message(RECV, n, values[n].producer, False, (values[n].producer, k)) for n in received]
@@ -350,7 +351,7 @@ def _messages(plan: Plan, replica_index: int, k: int, view: SplitView, lane: int
                 for c in values[n].consumers if c < num_stages]
     backward += [message(SEND, n, values[n].producer, True, (values[n].producer, k))
                  for n in received if values[n].needs_grad]
-    return {"F": forward, "B": backward}
+    return {"F": forward, "B": backward, "W": []}
 
 
 @functools.lru_cache(maxsize=8)

@@ -18,6 +18,9 @@ class OpCount:
     bwd_flops: float
     fwd_bytes: float         # bytes read + written by the forward op
     out_bytes: float         # bytes of the op's output (what a stage boundary would carry)
+    # of bwd_flops, the gradient of a trainable weight the op reads (a matmul's or convolution's: its
+    # forward's FLOPs again); what a zero-bubble schedule runs apart from the input gradients
+    wgrad_flops: float = 0.0
 
 
 
@@ -52,6 +55,13 @@ class Block:
     @property
     def bwd_flops(self) -> float:
         return sum(o.bwd_flops for o in self.ops)
+
+    @property
+    def wgrad_fraction(self) -> float:
+        """Of the block's backward FLOPs, the part that computes its weights' gradients (0 without a
+        backward)."""
+        bwd = self.bwd_flops
+        return min(1.0, sum(o.wgrad_flops for o in self.ops) / bwd) if bwd > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,9 @@ class StagePlan:
     state_bytes: float = field(default=0.0, metadata=OPTIONAL)
     optimizer_bytes: float = field(default=0.0, metadata=OPTIONAL)
     activation_bytes: float = field(default=0.0, metadata=OPTIONAL)
+    # of bwd_s_per_sample, the weight gradients' part, which the replica's zbh1 schedule runs apart (W); 0
+    # under the other schedules
+    wgrad_s_per_sample: float = field(default=0.0, metadata=OPTIONAL)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -99,7 +102,7 @@ class ReplicaPlan:
     stages: tuple[StagePlan, ...]
     batch_share: int
     micro_batch_sizes: tuple[int, ...]
-    schedule: str                 # "1f1b" | "gpipe" | "interleaved" (planner.core.schedule)
+    schedule: str                 # "1f1b" | "gpipe" | "interleaved" | "zbh1" (planner.core.schedule)
     estimated_s: float
     # interleaved 1F1B: the stages each device runs; stage k runs on the ranks of stage k mod (stages / chunks)
     chunks: int = field(default=1, metadata=OPTIONAL)

@@ -4,8 +4,11 @@ An action is `(stage, kind, micro_batch)` with the text form `2F0` (stage 2, for
 or `1B3`; a schedule is one action list per device and parses back from its text. Under 1F1B and GPipe a
 device runs one stage; under interleaved 1F1B (`interleaved`: Megatron's virtual pipeline stages) each of
 the S devices runs `chunks` stages of the model, stage k on device k mod S, so the fill and drain are
-chunk-sized. The deadlock checker replays all devices together: a forward needs the previous stage's
-forward of the same micro-batch done, a backward needs the next stage's backward done.
+chunk-sized. Under `zbh1` (zero bubble, ZB-H1: Qi et al., "Zero Bubble Pipeline Parallelism", 2024) a
+backward is two actions: `B` computes the gradients of the stage's inputs (what the previous stage waits
+for) and `W` those of its weights (what nobody waits for), so the weight gradients fill the drain.
+The deadlock checker replays all devices together: a forward needs the previous stage's forward of the
+same micro-batch done, a backward needs the next stage's backward done, a W its own stage's B.
 """
 
 from __future__ import annotations
@@ -15,15 +18,15 @@ from dataclasses import dataclass
 
 from planner.core.errors import PassError
 
-_ACTION = re.compile(r"^(\d+)([FB])(\d+)$")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+_ACTION = re.compile(r"^(\d+)([FBW])(\d+)$")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1")
 CHOICES = ("auto", *SCHEDULES)   # what a user may ask for: auto lets the search choose per replica
 
 
 @dataclass(frozen=True)
 class Action:
     stage: int
-    kind: str          # "F" | "B"
+    kind: str          # "F" | "B" | "W" (zbh1: the weights' part of a backward)
     micro: int
 
     def __str__(self) -> str:
@@ -57,6 +60,31 @@ def one_f_one_b(num_stages: int, num_micro: int) -> list[list[Action]]:
         acts.extend(Action(s, "B", i) for i in range(b, num_micro))
         out.append(acts)
     return out
+
+
+def zero_bubble_h1(num_stages: int, num_micro: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B's order of forwards and backwards, each backward's weight gradients (W) split off.
+    Stage s runs the W of a micro-batch right after its B, except that it holds back s of them (the
+    later a stage, the fewer activations 1F1B keeps there, so every stage keeps at most S micro-batches
+    between F and W, stage 0's 1F1B peak) and runs those last, where it would wait for the drain."""
+    out = []
+    for s, acts in enumerate(one_f_one_b(num_stages, num_micro)):
+        split: list[Action] = []
+        backwards = 0
+        for a in acts:
+            split.append(a)
+            if a.kind == "B":
+                if backwards >= s:
+                    split.append(Action(s, "W", backwards - s))
+                backwards += 1
+        split.extend(Action(s, "W", i) for i in range(max(0, num_micro - s), num_micro))
+        out.append(split)
+    return out
+
+
+def weight_split(kind: str) -> bool:
+    """Whether schedule `kind` runs a backward as two actions, B then W."""
+    return kind == "zbh1"
 
 
 def interleaved_rounds(num_devices: int, num_micro: int) -> int | None:
@@ -109,7 +137,9 @@ def make(kind: str, num_stages: int, num_micro: int, chunks: int = 1) -> list[li
         return gpipe(num_stages, num_micro)
     if kind == "1f1b":
         return one_f_one_b(num_stages, num_micro)
-    raise PassError(f"unknown schedule `{kind}`", field="schedule", fix="use gpipe, 1f1b or interleaved")
+    if kind == "zbh1":
+        return zero_bubble_h1(num_stages, num_micro)
+    raise PassError(f"unknown schedule `{kind}`", field="schedule", fix="use gpipe, 1f1b, interleaved or zbh1")
 
 
 def format_grid(schedule: list[list[Action]]) -> str:
@@ -131,19 +161,21 @@ def from_text(text: str) -> list[list[Action]]:
 
 
 def check(schedule: list[list[Action]], num_micro: int, chunks: int = 1) -> None:
-    """Raise PassError unless every stage runs F and B of each micro-batch once, on its device (stage k on
-    device k mod S), without deadlock."""
+    """Raise PassError unless every stage runs F and B (and W, where the schedule splits its backwards) of
+    each micro-batch once, on its device (stage k on device k mod S), without deadlock."""
     S = len(schedule)
     stages = S * chunks
+    kinds = "FBW" if any(a.kind == "W" for acts in schedule for a in acts) else "FB"
     for d, acts in enumerate(schedule):
-        want = {(k, kind, i) for k in range(d, stages, S) for kind in "FB" for i in range(num_micro)}
+        want = {(k, kind, i) for k in range(d, stages, S) for kind in kinds for i in range(num_micro)}
         got = [(a.stage, a.kind, a.micro) for a in acts]
         if sorted(got) != sorted(want):
-            raise PassError(f"device {d} does not run each of its stages' F and B of each micro-batch exactly "
-                            "once:\n" + format_grid(schedule), fix="report this schedule")
+            raise PassError(f"device {d} does not run each of its stages' {'/'.join(kinds)} of each micro-batch "
+                            "exactly once:\n" + format_grid(schedule), fix="report this schedule")
         for k, kind, i in got:
-            if kind == "B" and got.index((k, "B", i)) < got.index((k, "F", i)):
-                raise PassError(f"device {d} runs {k}B{i} before {k}F{i}:\n" + format_grid(schedule))
+            before = {"B": "F", "W": "B"}.get(kind)
+            if before and got.index((k, kind, i)) < got.index((k, before, i)):
+                raise PassError(f"device {d} runs {k}{kind}{i} before {k}{before}{i}:\n" + format_grid(schedule))
     done: set[tuple[int, str, int]] = set()
     pos = [0] * S
     while any(pos[d] < len(schedule[d]) for d in range(S)):
@@ -154,6 +186,8 @@ def check(schedule: list[list[Action]], num_micro: int, chunks: int = 1) -> None
                 k = a.stage
                 if a.kind == "F":
                     ready = k == 0 or (k - 1, "F", a.micro) in done
+                elif a.kind == "W":
+                    ready = (k, "B", a.micro) in done
                 else:
                     ready = (k, "F", a.micro) in done and (k == stages - 1 or (k + 1, "B", a.micro) in done)
                 if not ready:

@@ -226,7 +226,8 @@ def assemble(*, solution: Solution, tables: CostTables, blocks: list[Block], spe
                 tp_devices=tuple(d.index for d in devs) if sharded_stage else (),
                 tp_device_labels=tuple(d.label for d in devs) if sharded_stage else (),
                 shard_param_bytes=sum(param_bytes[p] for p in params),
-                state_bytes=state, optimizer_bytes=optimizer, activation_bytes=activations))
+                state_bytes=state, optimizer_bytes=optimizer, activation_bytes=activations,
+                wgrad_s_per_sample=cfg.stage_wgrad_s[s] / cfg.micro_batch if cfg.stage_wgrad_s else 0.0))
             busy_by_device[d] += (fwd + bwd) * rep.share + over * len(micro_sizes)
             if s > 0:
                 previous = stages[s - 1].ranks

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from costmodel.tables import ClassTable
 from planner.core.units import NS_PER_S
-from planner.search import interleave
-from planner.search.pipeline import pipeline_one_s, pipeline_s
+from planner.search import interleave, zero_bubble
+from planner.search.pipeline import DEFAULT_MAX_MICRO, pipeline_one_s, pipeline_s
 from planner.search.split import Split
 
 
@@ -40,6 +40,9 @@ class Config:
     # interleaved 1F1B (planner.search.interleave_configs): each device runs this many of the stages,
     # stage k on device k mod (num_stages / chunks)
     chunks: int = 1
+    # zbh1 (planner.search.schedules): per stage, the weight gradients' part of its backward per
+    # micro-batch (of split.bwd_s), which the schedule runs apart
+    stage_wgrad_s: tuple[float, ...] = ()
 
     @property
     def classes(self) -> tuple[int, ...]:
@@ -68,6 +71,9 @@ class Config:
         sp = self.split
         if self.schedule == "interleaved":
             return interleave.makespan_s(sp.fwd_s, sp.bwd_s, sp.send_s, self.chunks, micro_batches) + self.optimizer_s
+        if self.schedule == "zbh1":       # replayed at this count: the simulator's figure
+            return zero_bubble.makespan_s(sp.fwd_s, sp.bwd_s, self.stage_wgrad_s, sp.send_s,
+                                          micro_batches) + self.optimizer_s
         return pipeline_one_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s
 
     def micro_batch_counts(self, global_batch: int, most: int) -> list[int]:
@@ -98,6 +104,10 @@ class Config:
         sp = self.split
         if self.schedule == "interleaved":
             return to_ns(self.replica_time_s(micro_batches))
+        if self.schedule == "zbh1":       # the table of every count, interpolated past the first (zero_bubble)
+            table = zero_bubble.makespans_s(sp.fwd_s, sp.bwd_s, self.stage_wgrad_s, sp.send_s,
+                                            _table_size(micro_batches))
+            return to_ns(float(table[micro_batches]) + self.optimizer_s)
         return to_ns(pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s)
 
 
@@ -109,6 +119,15 @@ def shape_devices(shape: tuple[int, ...]) -> int:
 def shape_chunks(shape: tuple[int, ...]) -> int:
     """Stages per device of `shape` (Config.shape): 1 but under interleaved 1F1B."""
     return -shape[-1] if shape and shape[-1] < 0 else 1
+
+
+def _table_size(micro_batches: int) -> int:
+    """The counts a pipeline's table covers (as planner.search.pipeline caches them): DEFAULT_MAX_MICRO,
+    doubled until it holds `micro_batches`."""
+    size = DEFAULT_MAX_MICRO
+    while size < micro_batches:
+        size *= 2
+    return size
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from planner.search import baselines, candidates, interleave, topology
 from planner.search.compressors import with_compressor_room
 from planner.search.degrees import ZERO_MAX_GROUP
 from planner.search.interleave_configs import interleaved
+from planner.search.schedules import under_zero_bubble
 from planner.search.split import costs_per_stage, equal_bounds
 
 GIVEN_STATUS = "GIVEN"           # the user's layout: nothing searched, no bound (gap 100%)
@@ -316,4 +317,6 @@ def _config(tables: CostTables, classes: tuple[int, ...], bounds: tuple[int, ...
                                intra_node=not mixed and len(classes) <= tables.classes[classes[0]].per_node,
                                stage_classes=classes if mixed else (), schedule=schedule,
                                max_micro_batches=micro_batches if schedule == "gpipe" else None)
+    if schedule == "zbh1":
+        config = under_zero_bubble(tables, config)
     return with_compressor_room(tables, [config])[0]

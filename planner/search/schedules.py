@@ -1,9 +1,11 @@
-"""Which pipeline schedule each configuration may run: 1F1B, GPipe, or both for the search to choose.
+"""Which pipeline schedule each configuration may run: 1F1B, GPipe, ZB-H1, or several for the search to choose.
 
-Both run the same stages and split; they differ in time (planner.search.pipeline: GPipe streams its
+All run the same stages and split; they differ in time (planner.search.pipeline: GPipe streams its
 forwards and its backwards, so transfers that are long against compute overlap better than under
-1F1B's alternation) and in memory (1F1B holds at most S - s micro-batches' activations on stage s,
-GPipe all M). A GPipe configuration therefore carries the most micro-batches its stages hold.
+1F1B's alternation; planner.search.zero_bubble: ZB-H1 fills the drain with weight gradients) and in
+memory (1F1B holds at most S - s micro-batches' activations on stage s, GPipe all M, ZB-H1 up to S on
+every stage). A GPipe configuration therefore carries the most micro-batches its stages hold, and a
+ZB-H1 one exists where every stage holds S.
 """
 
 from __future__ import annotations
@@ -20,16 +22,43 @@ from planner.search.split import kept_activation_bytes
 
 def with_schedules(tables: CostTables, configs: list[Config], schedule: str) -> list[Config]:
     """The 1F1B configurations as asked by `schedule`: kept ("1f1b"), each with a GPipe twin where
-    GPipe holds at least two micro-batches ("auto"; with one both run the same), or the GPipe twins
-    alone where GPipe holds one ("gpipe")."""
+    GPipe holds at least two micro-batches ("auto"; with one both run the same), the GPipe twins
+    alone where GPipe holds one ("gpipe"), or the ZB-H1 twins alone where every stage holds S
+    micro-batches ("zbh1")."""
     if schedule == "1f1b":
         return configs
+    if schedule == "zbh1":
+        return [t for t in (zero_bubble_twin(tables, c) for c in configs) if t is not None]
     twins = []
     for c in configs:
         most = gpipe_max_micro_batches(tables, c)
         if most >= (1 if schedule == "gpipe" else 2):
             twins.append(dataclasses.replace(c, schedule="gpipe", max_micro_batches=most))
     return twins if schedule == "gpipe" else configs + twins
+
+
+def zero_bubble_twin(tables: CostTables, config: Config) -> Config | None:
+    """`config` under ZB-H1 where every stage holds S micro-batches' activations; else None."""
+    if not tables.wgrad_fraction or config.num_stages < 2:
+        return None
+    sp, S = config.split, config.num_stages
+    for s, ci in enumerate(config.classes):
+        table = tables.classes[ci]
+        need = stage_need_bytes(table, range(sp.bounds[s], sp.bounds[s + 1]), config.micro_batch, S,
+                                sp.stage_recompute[s])
+        if not memory.fits(need, table.capacity_bytes):
+            return None
+    return under_zero_bubble(tables, config)
+
+
+def under_zero_bubble(tables: CostTables, config: Config) -> Config:
+    """`config` under ZB-H1, with each stage's weight-gradient time per micro-batch (CostTables.wgrad_fraction
+    of its blocks' backward); its memory as it is (a given layout's is checked apart)."""
+    sp = config.split
+    wgrad = tuple(sum(tables.classes[ci].bwd_s[b] * (tables.wgrad_fraction[b] if tables.wgrad_fraction else 0.0)
+                      for b in range(sp.bounds[s], sp.bounds[s + 1])) * config.micro_batch
+                  for s, ci in enumerate(config.classes))
+    return dataclasses.replace(config, schedule="zbh1", stage_wgrad_s=wgrad)
 
 
 def gpipe_max_micro_batches(tables: CostTables, config: Config) -> int:
@@ -63,8 +92,12 @@ def stage_need_bytes(table: ClassTable, blocks: range, micro_batch: int, in_flig
 
 def peak_need_bytes(tables: CostTables, config: Config) -> tuple[float, ...]:
     """Per stage of `config`: its need at its schedule's peak before compressor state; 1F1B holds
-    S - s micro-batches on stage s (the split's figure), GPipe as many as it may run."""
+    S - s micro-batches on stage s (the split's figure), GPipe as many as it may run, ZB-H1 S."""
     sp = config.split
+    if config.schedule == "zbh1":
+        return tuple(stage_need_bytes(tables.classes[ci], range(sp.bounds[s], sp.bounds[s + 1]), config.micro_batch,
+                                      config.num_stages, sp.stage_recompute[s])
+                     for s, ci in enumerate(config.classes))
     if config.schedule != "gpipe" or config.max_micro_batches is None:
         return sp.stage_memory_bytes
     return tuple(stage_need_bytes(tables.classes[ci], range(sp.bounds[s], sp.bounds[s + 1]), config.micro_batch,

@@ -7,6 +7,12 @@ and micro-batch sizes (so different shapes per replica) and skip connections tha
 both need per-value routing that PipelineStage does not offer. Every value crossing a boundary is sent
 from its producer to each consumer stage, and its gradient comes back the same way.
 
+Under zbh1 a backward is two actions: B computes the gradients of the stage's inputs (sent at once to the
+stage before) and keeps what the weights' gradients need; W computes those later, where the schedule puts
+it. The split is torch.distributed.pipelining's own (`stage_backward_input` / `stage_backward_weight`,
+which its zero-bubble schedules run); a stage whose inputs need no gradient (the first) runs its whole
+backward at B.
+
 What a step runs is read from the executor's plan, context, graphs and rows at the step's start, so
 `replace_plan` may swap them between two steps (rebalance.py: new batch shares, applied without a
 restart); the parameters, and with them the optimizer and the gradient sync, stay.
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from passes.comm.derive import edge_pairs
 from passes.split import StageSplit, relayed
@@ -96,6 +103,8 @@ class StageExecutor:
             with self.slowdown.padded():
                 if action.kind == "F":
                     loss_sum += self._forward(action.stage, action.micro, micro[action.micro], saved)
+                elif action.kind == "W":
+                    self._weights(action.stage, action.micro, saved)
                 else:
                     self._backward(action.stage, action.micro, saved)
         self.p2p.wait_sends()
@@ -167,13 +176,16 @@ class StageExecutor:
 
     def _backward(self, k: int, j: int, saved: dict[tuple[int, int], dict[str, Any]]) -> None:
         ctx = self.ctx
-        record = saved.pop((k, j))
+        weights_later = sched.weight_split(ctx.replica.schedule)
+        record = saved[(k, j)] if weights_later else saved.pop((k, j))
         split: StageSplit = record["split"]
         value_index = {name: i for i, name in enumerate(sorted(split.values))}
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] | None = None
         if k == ctx.num_stages - 1:
-            record["loss"].backward()
+            tensors = [record["loss"]]
         else:
-            tensors, grads = [], []
+            grads = []
             for name, t, targets in record["sent"]:
                 info = split.values[name]
                 if not info.needs_grad:
@@ -187,11 +199,20 @@ class StageExecutor:
                 if total is not None and t.requires_grad:
                     tensors.append(t)
                     grads.append(total.to(t.dtype))   # t may be half under autocast
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+        inputs = [t for name, t, _ in record["received"] if split.values[name].needs_grad and t.requires_grad]
+        if weights_later and inputs and tensors:
+            _, record["weights"] = stage_backward_input(tensors, grads, inputs, iter(self.params.values()))
+        elif tensors:
+            torch.autograd.backward(tensors, grads)
         for name, t, source in record["received"]:
             if not split.values[name].needs_grad:   # context (masks, positions): no gradient flows
                 continue
             grad = t.grad if t.grad is not None else torch.zeros_like(t)
             self.p2p.send(grad, ctx.rank_of_stage(source), tag(j, value_index[name], True, len(value_index)),
                           dtype=split.values[name].dtype, codec=self.edges[source, k])
+
+    def _weights(self, k: int, j: int, saved: dict[tuple[int, int], dict[str, Any]]) -> None:
+        """zbh1's W: the weight gradients of stage k's backward of micro-batch j, from what its B kept."""
+        record = saved.pop((k, j))
+        if "weights" in record:
+            stage_backward_weight(iter(self.params.values()), record["weights"])
