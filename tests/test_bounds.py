@@ -19,14 +19,17 @@ from tests import test_degrees, test_enumerate
 
 NS_S = 1e-9
 TIME = SearchOptions(strategy="ilp")
+ZBH1 = SearchOptions(strategy="ilp", schedule="zbh1")
 
 
 def _variants(source: str, seed: int) -> list[degrees.Variant]:
     tabs = test_enumerate.instance(seed) if source == "hetero" else test_degrees.instance(seed)
-    return degrees.variants(tabs, TIME)
+    # odd "hetero" instances know their weight gradients: searched under ZB-H1 (`--schedule zbh1`)
+    return degrees.variants(tabs, ZBH1 if tabs.wgrad_fraction else TIME)
 
 
-CASES = [("hetero", seed) for seed in range(0, 64, 2)] + [("degrees", seed) for seed in range(24)]
+# odd "hetero" seeds: ZB-H1 pipelines (tests/test_enumerate.py's instance)
+CASES = [("hetero", seed) for seed in (*range(0, 64, 2), *range(1, 64, 4))] + [("degrees", seed) for seed in range(24)]
 
 
 @pytest.mark.parametrize(("source", "seed"), CASES)
@@ -35,7 +38,8 @@ def test_bounds_never_exceed_the_exact_optimum(source, seed):
         exact = exact_solution(v.tables, v.configs, min_replicas=v.zero_group)
         if exact is None:
             continue
-        before = max(degrees.compute_bound_s(v.tables), bounds.pipeline_bound_s(v.tables))
+        before = max(degrees.compute_bound_s(v.tables),
+                     bounds.pipeline_bound_s(v.tables, zero_bubble=bool(v.tables.wgrad_fraction)))
         items = ilp.pareto_items(v.tables, v.configs)
         over_items = bounds.items_bound_s(v.tables, v.configs, [(i.config, i.time_ns, i.capacity) for i in items])
         with_sync = degrees.sync_bound_s(v.tables, v.configs, items, TIME, v.zero_group)
@@ -91,6 +95,16 @@ def test_pipeline_floor_is_the_least_makespan_of_its_stages():
     # the balanced split's closed form is never below it, and one micro-batch is the whole chain
     assert (M + S - 1) * work / S >= floor
     assert bounds.pipeline_floor_s(work, S, 1) == work
+
+
+def test_zero_bubble_pipelines_get_a_floor_of_their_own():
+    """ZB-H1 beats 1F1B's floor on equal stages (the drain carries input gradients only), so its pipelines
+    need the weaker floor of the busiest stage."""
+    from tests.test_zero_bubble import _simulated_s
+    S, M = 8, 16
+    f, b, w = (1.0,) * S, (2.0,) * S, (0.9,) * S
+    zbh1 = _simulated_s(f, b, w, (0.0,) * S, M)
+    assert bounds.zero_bubble_floor_s(3.0 * S, S, M) <= zbh1 < bounds.pipeline_floor_s(3.0 * S, S, M)
 
 
 def test_pruned_search_chooses_what_the_full_search_chooses(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 from backends.sim.engine import simulate
 from backends.sim.inputs import ReplicaWork, SimInput, StageWork
 from planner.core import schedule as sched
-from planner.search import interleave
+from planner.search import interleave, walk
 from planner.search.interleave_configs import SATURATED_ROUNDS, in_flight_counts
 from planner.search.pipeline import pipeline_s
 
@@ -97,8 +97,8 @@ def test_one_pipeline_walked_on_floats_is_the_many_pipeline_walk_to_the_bit(monk
             program = interleave._program(devices, chunks, count)
             K = devices * chunks
             f, b, x = rng.random((5, K)), rng.random((5, K)), rng.random((5, K - 1))
-            monkeypatch.setattr(interleave, "NUMPY_FROM_PIPELINES", 1)
-            together = interleave._run(program, devices, f, b, x)
-            monkeypatch.setattr(interleave, "NUMPY_FROM_PIPELINES", 100)
-            one_by_one = interleave._run(program, devices, f, b, x)
+            monkeypatch.setattr(walk, "NUMPY_FROM_PIPELINES", 1)
+            together = walk.run(program, devices, np.concatenate([f, b], axis=1), x)
+            monkeypatch.setattr(walk, "NUMPY_FROM_PIPELINES", 100)
+            one_by_one = walk.run(program, devices, np.concatenate([f, b], axis=1), x)
             assert together.tolist() == one_by_one.tolist()

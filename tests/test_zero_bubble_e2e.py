@@ -45,3 +45,12 @@ def test_hf_llama_zero_bubble_with_tensor_parallelism_matches_single_process(tmp
                       "--micro-batch", "2", cluster="cpu-4.yaml")
     assert plan.tp_degree == 2 and len(plan.replicas) == 1
     _check_shards(out, plan, "hf_llama", optimizer="sgd")      # each shard's parameters put back together
+
+
+@pytest.mark.slow
+def test_t5_zero_bubble_with_a_bias_shared_by_every_layer_matches_single_process(tmp_path):
+    # T5's relative position bias is read by every attention layer of a stack: its weight gradient runs
+    # along several paths of one stage, which W walks one after another over the same saved tensors
+    out, plan = _plan(tmp_path, "t5_small", "--global-batch", "8", "--stages", "2", "--micro-batch", "2",
+                      cluster="cpu-4.yaml")
+    _check_against_reference(out, plan, "t5_small")

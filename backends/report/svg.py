@@ -111,7 +111,7 @@ def _describe(span: Span) -> str:
     elif label == OPTIMIZER_LABEL:
         what = "optimizer step"
     else:
-        kind = "forward" if "F" in label else "backward"
+        kind = "forward" if "F" in label else "weight gradients" if "W" in label else "backward"
         stage, micro = label.split(kind[0].upper())
         what = f"stage {stage} {kind}, micro-batch {micro}"
     return f"{what}: {format_time(span.end_s - span.start_s)} from {format_time(span.start_s)}"

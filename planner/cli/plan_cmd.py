@@ -51,8 +51,8 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=None, help="force the micro-batch size")
     p.add_argument("--use-all-devices", action="store_true", help="every device must serve a stage")
     p.add_argument("--schedule", default="auto", choices=schedule.CHOICES,
-                   help="pipeline schedule: auto (the search chooses per replica among 1f1b, gpipe and interleaved), "
-                        "or force one (zbh1: zero bubble, weight gradients fill the drain)")
+                   help="pipeline schedule: auto (the search chooses per replica among 1f1b, gpipe and "
+                        "interleaved), or force one (zbh1: zero bubble, weight gradients fill the drain)")
     p.add_argument("--compression", default="none",
                    choices=["none", "auto", "fp16", "bf16", "powersgd", "onebit"],
                    help="gradient compression: none (exact), auto (the planner picks what pays per group), "

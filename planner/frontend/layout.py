@@ -19,7 +19,7 @@ The file (every field but `replicas` optional; examples/layouts/ has one):
         micro_batch: 4             # micro-batch size
         micro_batches: 4           # micro-batch count (share = size x count unless `share` says)
         share: 16                  # samples of the global batch (default: the batch split equally)
-        schedule: 1f1b             # 1f1b | gpipe | interleaved
+        schedule: 1f1b             # 1f1b | gpipe | interleaved | zbh1
         chunks: 1                  # stages per device (interleaved 1F1B: stage k on device k mod stages/chunks)
         compression: none          # as the top-level field (a gradient group spans the replicas: one for all)
 

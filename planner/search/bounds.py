@@ -13,7 +13,9 @@ Over all splits of a pipeline whose stages sum to W, the smallest max_k of the r
 k equal: T_k = c (M-1)^k / M^(k+1), so c = W / (1 - (1 - 1/M)^S) (`pipeline_floor_s`; W at M = 1, the
 closed form's (M + S - 1) W / S never above it). Transfers, the optimizer and the sync only add. Under
 interleaved 1F1B a device runs several stages and the fill is chunk-sized, so those pipelines get the
-weaker floor max(W, M W / D) of D devices (`interleaved_floor_s`).
+weaker floor max(W, M W / D) of D devices (`interleaved_floor_s`). Under ZB-H1 the drain carries the
+input gradients only and the stages' weight gradients fill it, so those pipelines get the floor of the
+busiest stage alone, M W / S (`zero_bubble_floor_s`).
 
 - `pipeline_bound_s`: per device class the floor of every pipeline shape the configurations could have
   (the stage counts configs.stage_count_options offers where split.fits_greedily says the blocks fit,
@@ -65,10 +67,18 @@ def interleaved_floor_s(work_s: float, devices: int, micro_batches: int) -> floa
     return max(work_s, micro_batches * work_s / devices)
 
 
+def zero_bubble_floor_s(work_s: float, num_stages: int, micro_batches: int) -> float:
+    """The least makespan of M micro-batches through S stages summing to W under ZB-H1: some stage does at
+    least a 1/S share of the work of every micro-batch."""
+    return micro_batches * work_s / num_stages
+
+
 def pipeline_bound_s(tables: CostTables, fixed_stages: int | None = None,
-                     fixed_micro_batch: int | None = None, interleaved: bool = False) -> float:
+                     fixed_micro_batch: int | None = None, interleaved: bool = False,
+                     zero_bubble: bool = False) -> float:
     """A lower bound on the pipeline time of every plan these tables allow (inf: no shape fits);
-    `interleaved`: the search offers interleaved 1F1B (planner.search.interleave_configs) too."""
+    `interleaved`, `zero_bubble`: the search offers interleaved 1F1B (planner.search.interleave_configs),
+    ZB-H1 (planner.search.schedules) too."""
     B = tables.global_batch
     micro_options = [fixed_micro_batch] if fixed_micro_batch else micro_batch_options(B)
     shapes: list[Shape] = []
@@ -82,6 +92,8 @@ def pipeline_bound_s(tables: CostTables, fixed_stages: int | None = None,
             for S in offered[ci]:
                 if fits_greedily(tables.classes[ci], S, m, True):
                     shapes.extend(_shapes(ci, work_s[ci], S, m, B))
+                    if zero_bubble and S > 1:
+                        shapes.extend(_shapes(ci, work_s[ci], S, m, B, zero_bubble_floor_s))
                     # interleaved: S devices of more stages (an S-device pipeline's twins), or S stages on
                     # S / v devices (`--stages` fixes the stages): the floor of each device count
                     for devices in ({S} | {S // v for v in CHUNK_OPTIONS if S % v == 0}) if interleaved else ():
@@ -100,6 +112,8 @@ def pipeline_bound_s(tables: CostTables, fixed_stages: int | None = None,
                     for S in hetero.stage_count_options(tables, first, second):
                         for ci in (first, second):
                             shapes.extend(_shapes(ci, cheaper_s, S, m, B))
+                            if zero_bubble:
+                                shapes.extend(_shapes(ci, cheaper_s, S, m, B, zero_bubble_floor_s))
     return _least_time_s(tables, shapes)
 
 

@@ -171,7 +171,9 @@ def search(tables: CostTables, options: SearchOptions,
     the plan never depend on which solve ends first. The runners-up then come from the variants solved."""
     by_time = options.objective == "time"
     interleaved = options.schedule in ("auto", "interleaved")
-    todo = [(max(compute_bound_s(at), bounds.pipeline_bound_s(at, options.stages, options.micro_batch, interleaved))
+    zero_bubble = options.schedule == "zbh1"
+    todo = [(max(compute_bound_s(at), bounds.pipeline_bound_s(at, options.stages, options.micro_batch, interleaved,
+                                                             zero_bubble))
              if by_time else 0.0, t, z, at) for t, z, at in variant_tables(tables, options)]
     # The variant likeliest to win first, so that the others meet its time as a bound or a cutoff (which
     # proves them no better in a fraction of their solve); the order changes no plan, only the time to it.

@@ -44,7 +44,7 @@ from ortools.sat.python import cp_model
 from costmodel.tables import CostTables
 from planner.core.cluster import Link
 from planner.core.units import NS_PER_S
-from planner.search import align, interleave, pipeline
+from planner.search import align, interleave, pipeline, zero_bubble
 from planner.search.candidates import Choice, Config, Solution, shape_chunks, to_ns
 from planner.search.configs import overlap_of
 from planner.search.solver import DEFAULT_SETTINGS, SolverSettings, solve_model
@@ -79,6 +79,8 @@ def pareto_items(tables: CostTables, configs: list[Config], max_micro: int = 256
     B = tables.global_batch
     pipeline.prime([(c.split.fwd_s, c.split.bwd_s, c.split.send_s) for c in configs if c.schedule == "1f1b"],
                    max_micro)      # every 1F1B table at once, then read count by count
+    zero_bubble.prime([(c.split.fwd_s, c.split.bwd_s, c.stage_wgrad_s, c.split.send_s)
+                       for c in configs if c.schedule == "zbh1"], max_micro)
     for chunks in sorted({c.chunks for c in configs if c.schedule == "interleaved"}):
         group = [c for c in configs if c.schedule == "interleaved" and c.chunks == chunks]
         interleave.prime([(c.split.fwd_s, c.split.bwd_s, c.split.send_s) for c in group], chunks,

@@ -18,7 +18,7 @@ class SearchOptions:
     zero: str = "auto"                 # ZeRO-1: auto (offered where memory is short) | on (every group) | off
     micro_batch: int | None = None     # force the micro-batch size
     use_all_devices: bool = False      # every device must serve a stage
-    schedule: str = "auto"             # auto (chosen per replica) | 1f1b | gpipe | interleaved
+    schedule: str = "auto"             # auto (chosen per replica) | 1f1b | gpipe | interleaved | zbh1
     objective: str = "time"            # time per iteration | cost per sample
     solver: SolverSettings = field(default_factory=SolverSettings)
     # how, not what: the later variants' builds in a forked child (planner.search.ahead); False keeps them

@@ -5,7 +5,8 @@ forwards and its backwards, so transfers that are long against compute overlap b
 1F1B's alternation; planner.search.zero_bubble: ZB-H1 fills the drain with weight gradients) and in
 memory (1F1B holds at most S - s micro-batches' activations on stage s, GPipe all M, ZB-H1 up to S on
 every stage). A GPipe configuration therefore carries the most micro-batches its stages hold, and a
-ZB-H1 one exists where every stage holds S.
+ZB-H1 one exists where every stage holds S. ZB-H1 is offered on request only (README: its split backward
+has a cost per micro-batch the tables do not price yet).
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from passes.comm.derive import edge_pairs
 from passes.split import StageSplit, relayed
@@ -201,7 +200,9 @@ class StageExecutor:
                     grads.append(total.to(t.dtype))   # t may be half under autocast
         inputs = [t for name, t, _ in record["received"] if split.values[name].needs_grad and t.requires_grad]
         if weights_later and inputs and tensors:
-            _, record["weights"] = stage_backward_input(tensors, grads, inputs, iter(self.params.values()))
+            from torch.distributed.pipelining._backward import stage_backward_input  # imports FSDP: ZB-H1 only
+            _, groups = stage_backward_input(tensors, grads, inputs, iter(self.params.values()))
+            record["weights"] = disjoint_groups(groups)
         elif tensors:
             torch.autograd.backward(tensors, grads)
         for name, t, source in record["received"]:
@@ -215,4 +216,32 @@ class StageExecutor:
         """zbh1's W: the weight gradients of stage k's backward of micro-batch j, from what its B kept."""
         record = saved.pop((k, j))
         if "weights" in record:
-            stage_backward_weight(iter(self.params.values()), record["weights"])
+            from torch.distributed.pipelining._backward import stage_backward_weight
+            # kept until the record goes: a parameter reached along several paths (a shared bias) is in
+            # several groups, whose gradients cross the same saved tensors
+            stage_backward_weight(iter(self.params.values()), record["weights"], retain_graph=True)
+
+
+def disjoint_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`stage_backward_input`'s parameter groups with those that share a parameter merged (transitively).
+
+    It groups the weights by where their paths meet the inputs' (the intermediates whose gradients B kept),
+    merging a weight's group into the first one it meets but not the others its paths meet as well (the
+    grouping depends on set order), so a weight can sit in two groups and W would add its gradient twice
+    (T5, whose position bias every layer reads: losses off by 1e-5, differently from run to run). One group
+    per connected set gives each weight its gradient once, from all its intermediates together (W clamps
+    what flows between intermediates of one group, so no path is counted twice)."""
+    merged: list[dict[str, Any]] = []
+    for group in groups:
+        params = set(group["params"])
+        pairs = dict(zip(group["intermediates"], group.get("grads") or [None] * len(group["intermediates"])))
+        for other in [m for m in merged if m["params"] & params]:
+            merged.remove(other)
+            params |= other["params"]
+            for node, grad in zip(other["intermediates"], other["grads"]):
+                pairs.setdefault(node, grad)
+        merged.append({"params": params, "intermediates": list(pairs), "grads": list(pairs.values())})
+    for m in merged:         # an intermediate B's gradient never reached adds nothing to W
+        kept = [(node, grad) for node, grad in zip(m["intermediates"], m["grads"]) if grad is not None]
+        m["intermediates"], m["grads"] = [n for n, _ in kept], [g for _, g in kept]
+    return merged

@@ -107,9 +107,10 @@ def fitting_micro_batches(plan: Plan, replica_index: int) -> tuple[int, ...]:
     out = []
     for size in micro_batch_options(plan.global_batch):
         fits = True
-        for st in replica.stages:      # the new size's count may hold S - s in flight, whatever the planned one
+        for st in replica.stages:      # the new size's count may hold S - s (ZB-H1: S), whatever the planned one
             held_now = cost_memory.in_flight_micro_batches(replica.schedule, st.index, depth, count)
-            need = plan.estimates.memory_bytes[st.rank] + (stage_activation_bytes(plan, st, size, depth - st.index) -
+            held_then = cost_memory.in_flight_micro_batches(replica.schedule, st.index, depth, depth)
+            need = plan.estimates.memory_bytes[st.rank] + (stage_activation_bytes(plan, st, size, held_then) -
                                                            stage_activation_bytes(plan, st, planned, held_now))
             usable = cost_memory.capacity_bytes(plan.estimates.capacity_bytes[st.rank], plan.estimates.memory_margin)
             fits &= bool(cost_memory.fits(need, usable))
