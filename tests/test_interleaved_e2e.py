@@ -9,7 +9,7 @@ import pytest
 from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli
 from tests.test_e2e import _check_against_reference
-from tests.test_tp_e2e import _check as _check_shards
+from tests.test_tp_e2e import check_llama_tp2_on_cpu4
 
 
 def _plan(tmp_path, model: str, *flags: str, cluster: str = "cpu-hetero-4.yaml") -> tuple:
@@ -47,11 +47,7 @@ def test_resnet_interleaved_relays_its_skip_connections(tmp_path):
 
 @pytest.mark.slow
 def test_hf_llama_interleaved_with_tensor_parallelism_matches_single_process(tmp_path):
-    pytest.importorskip("transformers")
-    out, plan = _plan(tmp_path, "hf_llama", "--global-batch", "8", "--stages", "4", "--tp", "2",
-                      "--micro-batch", "2", cluster="cpu-4.yaml")
-    assert plan.tp_degree == 2 and len(plan.replicas) == 1
-    _check_shards(out, plan, "hf_llama", optimizer="sgd")      # each shard's parameters put back together
+    check_llama_tp2_on_cpu4(_plan, tmp_path, stages=4)
 
 
 def test_rebalance_on_an_interleaved_plan_is_one_line_before_any_rank_starts(tmp_path):

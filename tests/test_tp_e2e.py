@@ -170,3 +170,14 @@ def _check_whole_weights_of(tmp_path, source, ckpt, target, flags) -> None:
     fresh = train_reference(str(EXAMPLES / "gpt" / "model.py"), global_batch=16, steps=1, seed=SEED, lr=LR,
                             optimizer="sgd", weights_path=weights_dir)
     assert losses_by_step(tmp_path / "fresh")[0] == pytest.approx(fresh.losses[0], rel=1e-5)
+
+
+def check_llama_tp2_on_cpu4(plan_with, tmp_path, stages: int) -> None:
+    """The HF Llama example planned by `plan_with(tmp_path, model, *flags, cluster=...)` (a test's own, with
+    its schedule) as one replica at TP 2 on cpu-4 trains as one process (GQA: KV heads shard too): each
+    shard's parameters put back together (SGD: no AdamW amplification of float noise)."""
+    pytest.importorskip("transformers")
+    out, plan = plan_with(tmp_path, "hf_llama", "--global-batch", "8", "--stages", str(stages), "--tp", "2",
+                          "--micro-batch", "2", cluster="cpu-4.yaml")
+    assert plan.tp_degree == 2 and len(plan.replicas) == 1
+    _check(out, plan, "hf_llama", optimizer="sgd")

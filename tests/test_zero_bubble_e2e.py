@@ -10,7 +10,7 @@ from planner.core import schedule as sched
 from planner.core.ir import Plan
 from tests.helpers import CLUSTERS, EXAMPLES, run_plan_cli
 from tests.test_e2e import _check_against_reference
-from tests.test_tp_e2e import _check as _check_shards
+from tests.test_tp_e2e import check_llama_tp2_on_cpu4
 
 
 def _plan(tmp_path, model: str, *flags: str, cluster: str = "cpu-hetero-4.yaml") -> tuple:
@@ -40,11 +40,7 @@ def test_gpt_zero_bubble_on_three_stages_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_hf_llama_zero_bubble_with_tensor_parallelism_matches_single_process(tmp_path):
-    pytest.importorskip("transformers")
-    out, plan = _plan(tmp_path, "hf_llama", "--global-batch", "8", "--stages", "2", "--tp", "2",
-                      "--micro-batch", "2", cluster="cpu-4.yaml")
-    assert plan.tp_degree == 2 and len(plan.replicas) == 1
-    _check_shards(out, plan, "hf_llama", optimizer="sgd")      # each shard's parameters put back together
+    check_llama_tp2_on_cpu4(_plan, tmp_path, stages=2)
 
 
 @pytest.mark.slow
