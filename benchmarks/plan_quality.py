@@ -3,6 +3,7 @@
     python benchmarks/plan_quality.py            # gpt, llama7b, resnet on every cluster
     python benchmarks/plan_quality.py --quick    # gpt and resnet, global batch 64
     python benchmarks/plan_quality.py --plans-dir DIR   # also write every case's plan.json there
+    python benchmarks/plan_quality.py --large-only      # the Llama-2-70B case alone (JSON: that case only)
 
 Each model is traced once on meta tensors (llama7b with HETPLAN_SEQ_LEN=1024 unless set, to keep
 the trace short); each cluster in ../shared/clusters (else examples/clusters) is planned with
@@ -13,7 +14,9 @@ simulated throughput, its TP degree and ZeRO, its estimate over the simulation, 
 throughput / baseline throughput (> 1: the ILP is faster; the baseline's TP degree beside it where
 above 1); `no fit` where a baseline finds no plan. The summary says whether the ILP is best or tied
 in every case and whether every plan's estimate is within EST_SIM_TOLERANCE of its simulation.
-Writes benchmarks/results/plan_quality.json.
+The large case is planned under ZB-H1 too (`--schedule zbh1`, offered on request only), beside the ILP's
+own plan, with its estimate, idle fraction and whether that meets the bubble target.
+Writes benchmarks/results/plan_quality.json (--large-only: plan_quality_large.json).
 """
 
 from __future__ import annotations
@@ -50,12 +53,12 @@ TIE = 1e-9                    # ratios this close to 1 are ties
 
 
 def evaluate(model: common.TracedModel, spec: ClusterSpec, strategy: str, batch: int,
-             plan_path: Path | None = None) -> dict[str, Any]:
+             plan_path: Path | None = None, schedule: str = "auto") -> dict[str, Any]:
     """Plan with one strategy and simulate it; the error instead when it finds no plan. With
     `plan_path`, the plan is written there (to compare plans across versions byte for byte)."""
     t0 = time.perf_counter()
     try:
-        plan, _ = common.plan_with(model, spec, PlanOptions(global_batch=batch, strategy=strategy))
+        plan, _ = common.plan_with(model, spec, PlanOptions(global_batch=batch, strategy=strategy, schedule=schedule))
     except PlanningError as exc:
         return {"strategy": strategy, "fits": False, "error": exc.one_line()}
     plan_s = time.perf_counter() - t0
@@ -101,13 +104,14 @@ def row(cluster: str, batch: int, results: dict[str, dict[str, Any]]) -> tuple[l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="gpt and resnet only, global batch 64")
+    parser.add_argument("--large-only", action="store_true", help="the Llama-2-70B case alone")
     parser.add_argument("--plans-dir", type=Path, default=None,
                         help="write each case's plan.json as DIR/<model>/<cluster>/<strategy>.json")
     args = parser.parse_args()
     models = QUICK_MODELS if args.quick else MODELS
     clusters = [(path.stem, load_cluster(path)) for path in common.cluster_files()]
     report: dict[str, Any] = {"seq_len_llama": os.environ["HETPLAN_SEQ_LEN"], "models": {}}
-    for name in models:
+    for name in () if args.large_only else models:
         model = common.trace(name)
         print(f"\n== examples/{name}: {len(model.blocks)} blocks, traced in {model.trace_s:.1f} s")
         rows, per_cluster = [], {}
@@ -139,8 +143,18 @@ def main() -> None:
         print(f"\n== examples/{name} on {cluster}: {len(model.blocks)} blocks")
         print(common.table(["cluster", "batch", "ilp samples/s", "ilp tp/zero", "est/sim",
                             *(f"vs {s}" for s in SOLVERS), "ilp >= best"], [cells]))
+        zbh1 = evaluate(model, spec, "ilp", batch, folder / "ilp-zbh1.json" if folder else None, schedule="zbh1")
+        summary["zbh1"] = zbh1
+        if zbh1["fits"]:
+            summary["zbh1_meets_bubble_target"] = zbh1["tp_degree"] > 1 and \
+                zbh1["estimated_bubble_fraction"] <= LARGE_BUBBLE_TARGET
         if ilp["fits"]:
             print(f"estimated bubble {ilp['estimated_bubble_fraction']:.1%} (target <= {LARGE_BUBBLE_TARGET:.0%})")
+        if zbh1["fits"]:
+            print(f"under --schedule zbh1: TP {zbh1['tp_degree']}, estimated {zbh1['estimated_iteration_s']:.2f} s "
+                  f"(the plan above: {ilp['estimated_iteration_s']:.2f} s), bubble "
+                  f"{zbh1['estimated_bubble_fraction']:.1%}, estimate / simulation "
+                  f"{zbh1['estimate_vs_simulation']:.3f}")
         report["models"][name] = {"blocks": len(model.blocks), "trace_s": model.trace_s, "seq_len": seq_len,
                                   "clusters": {cluster: {"global_batch": batch, "results": results, **summary}}}
     cases = [c for m in report["models"].values() for c in m["clusters"].values()]
@@ -151,7 +165,7 @@ def main() -> None:
           "the ILP plan's own estimate of its iteration time over the simulated one")
     print(f"ILP best or tied in every case: {report['ilp_best_or_tied_everywhere']}; every plan's estimate within "
           f"{EST_SIM_TOLERANCE:.0%} of its simulation: {report['estimates_within_tolerance_everywhere']}")
-    out = common.write_json("plan_quality", report)
+    out = common.write_json("plan_quality_large" if args.large_only else "plan_quality", report)
     print(f"wrote {out}")
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+import torch.nn as nn
 
 from backends.sim import simulate_plan
 from backends.sim.engine import simulate
 from backends.sim.inputs import ReplicaWork, SimInput, StageWork
+from backends.torchdist.program import weight_split
 from costmodel import memory
 from planner.core import schedule as sched
 from planner.core.errors import PassError
@@ -91,3 +94,70 @@ def test_a_zbh1_plan_prices_weight_gradients_and_its_estimate_is_its_simulation(
         assert 0.3 < st.wgrad_s_per_sample / st.bwd_s_per_sample < 0.6
     sim = simulate_plan(plan, load_cluster(CLUSTERS / "cpu-4.yaml"))
     assert plan.estimates.iteration_s == pytest.approx(sim.iteration_s, rel=1e-6)   # the ILP counts whole ns
+
+
+class _TwoOutputs(nn.Module):
+    """A stage whose second output comes from its own token ids alone: the embedding's paths never meet the
+    received input's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.embedding = nn.Linear(4, 4), nn.Embedding(10, 4)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, received, ids):
+        shared = self.linear(received) + self.bias       # the bias is read twice, along two paths
+        return torch.relu(shared) + self.bias * shared, self.embedding(ids)
+
+
+def _split_backward(module, outputs_of, received):
+    """Whether the split applies, and every parameter's gradient after B and W (or one backward)."""
+    outputs = outputs_of(received)
+    grads = [torch.ones_like(o) for o in outputs]
+    clean = weight_split.splits_cleanly(outputs, [received], module.parameters())
+    if clean:
+        groups = weight_split.input_gradients(outputs, grads, [received], module.parameters())
+        weight_split.weight_gradients(module.parameters(), groups)
+    else:
+        torch.autograd.backward(outputs, grads)
+    return clean, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}, received.grad.clone()
+
+
+def test_the_split_backward_gives_every_weight_its_gradient_once_or_is_not_used():
+    torch.manual_seed(0)
+    m, ids = _TwoOutputs(), torch.randint(0, 10, (3,))
+    x = torch.randn(3, 4)
+    whole = x.clone().requires_grad_(True)
+    outs = m(whole, ids)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    reference = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    # both outputs: the embedding would be in no group, so the stage runs its backward whole
+    clean, got, dx = _split_backward(m, lambda r: m(r, ids), x.clone().requires_grad_(True))
+    assert not clean and all(torch.equal(got[n], reference[n]) for n in reference)
+    assert torch.equal(dx, whole.grad)
+    m.zero_grad(set_to_none=True)
+    # the first output alone: split, the twice-read bias summed once
+    only_first = [n for n in reference if not n.startswith("embedding")]
+    m2 = _TwoOutputs()
+    m2.load_state_dict(m.state_dict())
+    one = x.clone().requires_grad_(True)
+    m2(one, ids)[0].sum().backward()
+    clean, got, _ = _split_backward(m, lambda r: [m(r, ids)[0]], x.clone().requires_grad_(True))
+    assert clean
+    for name in only_first:
+        assert torch.allclose(got[name], dict(m2.named_parameters())[name].grad, rtol=1e-6, atol=1e-7), name
+
+
+def test_groups_sharing_a_weight_are_merged():
+    a, b, c = object(), object(), object()
+    merged = weight_split.disjoint_groups([
+        {"params": {a}, "intermediates": ["n1"], "grads": [(1,)]},
+        {"params": {b}, "intermediates": ["n2", "n3"], "grads": [(2,), None]},
+        {"params": {a, c}, "intermediates": ["n1", "n4"], "grads": [(1,), (4,)]},
+    ])
+    assert len(merged) == 2
+    joined = next(g for g in merged if a in g["params"])
+    assert joined["params"] == {a, c} and joined["intermediates"] == ["n1", "n4"] and joined["grads"] == [(1,), (4,)]
+    alone = next(g for g in merged if b in g["params"])
+    assert alone["intermediates"] == ["n2"]          # n3: no gradient reached it in B

@@ -9,9 +9,8 @@ from its producer to each consumer stage, and its gradient comes back the same w
 
 Under zbh1 a backward is two actions: B computes the gradients of the stage's inputs (sent at once to the
 stage before) and keeps what the weights' gradients need; W computes those later, where the schedule puts
-it. The split is torch.distributed.pipelining's own (`stage_backward_input` / `stage_backward_weight`,
-which its zero-bubble schedules run); a stage whose inputs need no gradient (the first) runs its whole
-backward at B.
+it (weight_split.py). A stage whose inputs need no gradient (the first), or whose graph the split would
+miss a weight of, runs its whole backward at B.
 
 What a step runs is read from the executor's plan, context, graphs and rows at the step's start, so
 `replace_plan` may swap them between two steps (rebalance.py: new batch shares, applied without a
@@ -73,6 +72,7 @@ class StageExecutor:
         self.scaler = (precision.LossScaler(ctx.device)
                        if precision.needs_loss_scaling(plan, cpu_autocast) else None)
         self.edges = edge_codecs(plan, ctx.replica.index)
+        self._clean: dict[tuple[int, int], bool] = {}     # (stage, rows) -> its backward splits (zbh1)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.params.values())
@@ -155,7 +155,7 @@ class StageExecutor:
             if last:
                 output = split.model_output(outs)    # the structure the model returns on one process
                 loss = self.model_file.loss_fn(output, mb.target) * (mb.rows / self.plan.global_batch)
-        record: dict[str, Any] = {"received": received, "sent": [], "split": split}
+        record: dict[str, Any] = {"received": received, "sent": [], "split": split, "rows": mb.rows}
         contribution = 0.0
         if last:
             record["loss"] = self.scaler.scale_loss(loss) if self.scaler else loss
@@ -199,10 +199,9 @@ class StageExecutor:
                     tensors.append(t)
                     grads.append(total.to(t.dtype))   # t may be half under autocast
         inputs = [t for name, t, _ in record["received"] if split.values[name].needs_grad and t.requires_grad]
-        if weights_later and inputs and tensors:
-            from torch.distributed.pipelining._backward import stage_backward_input  # imports FSDP: ZB-H1 only
-            _, groups = stage_backward_input(tensors, grads, inputs, iter(self.params.values()))
-            record["weights"] = disjoint_groups(groups)
+        if weights_later and inputs and tensors and self._splits_cleanly(k, record["rows"], tensors, inputs):
+            from . import weight_split
+            record["weights"] = weight_split.input_gradients(tensors, grads, inputs, self.params.values())
         elif tensors:
             torch.autograd.backward(tensors, grads)
         for name, t, source in record["received"]:
@@ -216,32 +215,14 @@ class StageExecutor:
         """zbh1's W: the weight gradients of stage k's backward of micro-batch j, from what its B kept."""
         record = saved.pop((k, j))
         if "weights" in record:
-            from torch.distributed.pipelining._backward import stage_backward_weight
-            # kept until the record goes: a parameter reached along several paths (a shared bias) is in
-            # several groups, whose gradients cross the same saved tensors
-            stage_backward_weight(iter(self.params.values()), record["weights"], retain_graph=True)
+            from . import weight_split
+            weight_split.weight_gradients(self.params.values(), record["weights"])
 
+    def _splits_cleanly(self, k: int, rows: int, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+        """Whether stage k's backward at micro-batches of `rows` splits into B and W (weight_split), found on
+        its first one: every micro-batch of a size runs the same graph."""
+        if (k, rows) not in self._clean:
+            from . import weight_split
+            self._clean[k, rows] = weight_split.splits_cleanly(outputs, inputs, self.params.values())
+        return self._clean[k, rows]
 
-def disjoint_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`stage_backward_input`'s parameter groups with those that share a parameter merged (transitively).
-
-    It groups the weights by where their paths meet the inputs' (the intermediates whose gradients B kept),
-    merging a weight's group into the first one it meets but not the others its paths meet as well (the
-    grouping depends on set order), so a weight can sit in two groups and W would add its gradient twice
-    (T5, whose position bias every layer reads: losses off by 1e-5, differently from run to run). One group
-    per connected set gives each weight its gradient once, from all its intermediates together (W clamps
-    what flows between intermediates of one group, so no path is counted twice)."""
-    merged: list[dict[str, Any]] = []
-    for group in groups:
-        params = set(group["params"])
-        pairs = dict(zip(group["intermediates"], group.get("grads") or [None] * len(group["intermediates"])))
-        for other in [m for m in merged if m["params"] & params]:
-            merged.remove(other)
-            params |= other["params"]
-            for node, grad in zip(other["intermediates"], other["grads"]):
-                pairs.setdefault(node, grad)
-        merged.append({"params": params, "intermediates": list(pairs), "grads": list(pairs.values())})
-    for m in merged:         # an intermediate B's gradient never reached adds nothing to W
-        kept = [(node, grad) for node, grad in zip(m["intermediates"], m["grads"]) if grad is not None]
-        m["intermediates"], m["grads"] = [n for n, _ in kept], [g for _, g in kept]
-    return merged
