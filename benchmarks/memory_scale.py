@@ -6,6 +6,7 @@ close to the plan's per-rank estimate. The single-process run is backends/torchd
 same model, global batch and AdamW) in a process of its own, its peak read the same way.
 
     python benchmarks/memory_scale.py [--steps 2] [--out benchmarks/results/memory_scale.json]
+    python benchmarks/memory_scale.py --schedule zbh1 --out benchmarks/results/memory_scale_zbh1.json
 
 Prints the table and writes JSON. Targets: every rank at most 0.4x the single process, within 15% of
 its estimate.
@@ -54,10 +55,10 @@ def _cli(*args: str) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def measure(steps: int, work: Path) -> dict[str, object]:
+def measure(steps: int, work: Path, schedule: str = "auto") -> dict[str, object]:
     out = work / "out"
     _cli(str(MODEL), "--cluster", str(CLUSTER), "--global-batch", str(GLOBAL_BATCH), "--stages", str(STAGES),
-         "--use-all-devices", "--no-runners-up", "-o", str(out))
+         "--use-all-devices", "--no-runners-up", "--schedule", schedule, "-o", str(out))
     t0 = time.perf_counter()
     _cli("run", str(out), "--steps", str(steps))
     run_s = time.perf_counter() - t0
@@ -106,10 +107,11 @@ def table(result: dict[str, object]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--schedule", default="auto", help="the plan's --schedule (zbh1: every stage keeps S micro-batches)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "memory_scale.json")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hetplan-memory-") as work:
-        result = measure(args.steps, Path(work))
+        result = measure(args.steps, Path(work), args.schedule)
     print(table(result))
     common.write_json_to(args.out, result)
     print(f"wrote {args.out}")
