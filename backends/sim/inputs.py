@@ -151,7 +151,7 @@ def _replica_work(plan: Plan, spec: ClusterSpec, devices: list[Device], replica:
         if rank in zero:       # ZeRO-1: each rank steps its part, then the parts are gathered (costmodel.sharded_state)
             step_s += (allgather_s(param_bytes, zero[rank], spec.inter_node.bandwidth_bytes_s, 0.0)
                        + len(st.params) * spec.inter_node.latency_s)       # a broadcast per tensor
-        wgrad = tuple(st.wgrad_s_per_sample * r for r in rows) if st.wgrad_s_per_sample else (0.0,) * len(rows)
+        wgrad = tuple(st.wgrad_s_per_sample * r for r in rows)       # 0 but under zbh1
         stages.append(StageWork(rank, fwd, bwd, send_fwd, send_bwd, step_s, wgrad))
     return ReplicaWork(replica.index, replica.schedule, tuple(stages), replica.chunks)
 

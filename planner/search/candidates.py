@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from costmodel.tables import ClassTable
 from planner.core.units import NS_PER_S
 from planner.search import interleave, zero_bubble
-from planner.search.pipeline import DEFAULT_MAX_MICRO, pipeline_one_s, pipeline_s
+from planner.search.pipeline import pipeline_one_s, pipeline_s, table_size
 from planner.search.split import Split
 
 
@@ -106,7 +106,7 @@ class Config:
             return to_ns(self.replica_time_s(micro_batches))
         if self.schedule == "zbh1":       # the table of every count, interpolated past the first (zero_bubble)
             table = zero_bubble.makespans_s(sp.fwd_s, sp.bwd_s, self.stage_wgrad_s, sp.send_s,
-                                            _table_size(micro_batches))
+                                            table_size(micro_batches))
             return to_ns(float(table[micro_batches]) + self.optimizer_s)
         return to_ns(pipeline_s(sp.fwd_s, sp.bwd_s, sp.send_s, micro_batches, self.schedule) + self.optimizer_s)
 
@@ -119,15 +119,6 @@ def shape_devices(shape: tuple[int, ...]) -> int:
 def shape_chunks(shape: tuple[int, ...]) -> int:
     """Stages per device of `shape` (Config.shape): 1 but under interleaved 1F1B."""
     return -shape[-1] if shape and shape[-1] < 0 else 1
-
-
-def _table_size(micro_batches: int) -> int:
-    """The counts a pipeline's table covers (as planner.search.pipeline caches them): DEFAULT_MAX_MICRO,
-    doubled until it holds `micro_batches`."""
-    size = DEFAULT_MAX_MICRO
-    while size < micro_batches:
-        size *= 2
-    return size
 
 
 @dataclass(frozen=True)

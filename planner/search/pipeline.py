@@ -54,7 +54,7 @@ def pipeline_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float
                schedule: str = "1f1b") -> float:
     """The makespan with `micro_batches` micro-batches under `schedule` (the whole table of counts cached
     per pipeline: for callers that ask for every count, as the ILP's candidate items do)."""
-    return float(_cached(fwd, bwd, send, _limit(micro_batches), schedule)[micro_batches])
+    return float(_cached(fwd, bwd, send, table_size(micro_batches), schedule)[micro_batches])
 
 
 def pipeline_one_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[float, ...], micro_batches: int,
@@ -64,11 +64,12 @@ def pipeline_one_s(fwd: tuple[float, ...], bwd: tuple[float, ...], send: tuple[f
     for one count per pipeline (the baselines, assembly)."""
     if schedule == "gpipe":      # O(S) per count already
         return pipeline_s(fwd, bwd, send, micro_batches, schedule)
-    return _one_cached(fwd, bwd, send, micro_batches, _limit(micro_batches))
+    return _one_cached(fwd, bwd, send, micro_batches, table_size(micro_batches))
 
 
-def _limit(micro_batches: int) -> int:
-    """The table size a count is cached in: DEFAULT_MAX_MICRO, doubled until it holds the count."""
+def table_size(micro_batches: int) -> int:
+    """The table size a count is cached in: DEFAULT_MAX_MICRO, doubled until it holds the count (the ZB-H1
+    tables too, planner.search.candidates)."""
     limit = DEFAULT_MAX_MICRO
     while limit < micro_batches:
         limit *= 2
@@ -100,7 +101,7 @@ def prime(pipelines: Iterable[tuple[tuple[float, ...], tuple[float, ...], tuple[
     stage-cells, and so do their short warm-ups' walks (`walks_s`). The tables equal those pipeline_s
     would make one by one, to the bit; the ILP's items at 1024 GPUs ask for some 600 of them, 1.1 s one
     by one."""
-    max_micro = _limit(most)
+    max_micro = table_size(most)
     todo: dict[int, dict[Key, None]] = {}
     for fwd, bwd, send in pipelines:
         key: Key = (fwd, bwd, send, max_micro, "1f1b")

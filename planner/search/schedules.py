@@ -42,14 +42,10 @@ def zero_bubble_twin(tables: CostTables, config: Config) -> Config | None:
     """`config` under ZB-H1 where every stage holds S micro-batches' activations; else None."""
     if not tables.wgrad_fraction or config.num_stages < 2:
         return None
-    sp, S = config.split, config.num_stages
-    for s, ci in enumerate(config.classes):
-        table = tables.classes[ci]
-        need = stage_need_bytes(table, range(sp.bounds[s], sp.bounds[s + 1]), config.micro_batch, S,
-                                sp.stage_recompute[s])
-        if not memory.fits(need, table.capacity_bytes):
-            return None
-    return under_zero_bubble(tables, config)
+    twin = under_zero_bubble(tables, config)
+    fits = all(memory.fits(need, tables.classes[ci].capacity_bytes)
+               for need, ci in zip(peak_need_bytes(tables, twin), twin.classes))
+    return twin if fits else None
 
 
 def under_zero_bubble(tables: CostTables, config: Config) -> Config:
